@@ -1,0 +1,88 @@
+"""``hgsgc`` command line: ``hgsgc train CONFIG [key=value ...]``, ``hgsgc report RUN_DIR``.
+
+Under ``mpirun``/``srun`` every rank runs the same command. A configuration error stops every
+rank with one line (printed by rank 0) and exit code 2 before any collective; any other error
+on any rank prints ``hgsgc: error on rank R: ...`` and aborts the whole MPI job (exit 1), so a
+failure on one rank never leaves the others hanging in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def _world_rank() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                pass
+    return 0
+
+
+def _abort(code: int):
+    try:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:  # pragma: no cover - no MPI: plain exit
+        pass
+    sys.exit(code)
+
+
+def cmd_train(args) -> int:
+    from hgsgc.config import ConfigError, load_config
+
+    rank = _world_rank()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"hgsgc: config error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        from mpi4py import MPI  # noqa: F401  (initialise MPI with thread support before horovod)
+        from hgsgc.train import run
+
+        run(cfg, log=lambda s: print(s, flush=True))
+    except Exception as exc:  # any rank: report and end the whole job
+        if os.environ.get("HGSGC_DEBUG"):
+            traceback.print_exc()
+        print(f"hgsgc: error on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        _abort(1)
+        return 1
+    return 0
+
+
+def cmd_report(args) -> int:
+    from hgsgc.report import report
+
+    try:
+        print(report(args.run_dir))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"hgsgc: report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hgsgc", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a configured experiment (run under mpirun/srun)")
+    t.add_argument("config", help="YAML config, e.g. configs/fashion_mnist.yaml")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
+    t.set_defaults(func=cmd_train)
+    r = sub.add_parser("report", help="tables and PNG plots from a run directory")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Exchange of (compressed) tensors among the ranks of a Horovod process set, with byte counts.
+
+:class:`Exchanger` takes a list of same-shaped tensors on every rank and returns their average
+over the process set, identical on every rank:
+
+* dense settings (``Compression.none`` / ``fp16``): ``hvd.grouped_allreduce(op=Average)``;
+* sparse settings (``topk`` / ``sgc``): each rank compensates with its residual, selects top-k,
+  encodes one contiguous uint8 payload for all tensors (``codec``), the payloads go through one
+  ``hvd.allgather``, and every rank decodes all ``n`` payloads, scatters each into a dense
+  tensor, sums them in rank order and divides by ``n``.
+
+Bytes per rank per exchange (``d`` entries, ``n`` ranks, ``P`` the rank's payload bytes), the
+ring model of DESIGN.md:
+
+* dense: payload ``w d`` (w = 4 fp32, 2 fp16); sent = received = ``2 (n - 1) / n * w d``;
+* allgather: sent = received = ``(n - 1) P`` (every rank's payload crosses every other link).
+
+Counts are Python integers fixed when the exchange is built (payload lengths depend only on
+shapes, density and bits) and are added to :class:`CommStats` variables each time the exchange
+runs, so they stay exact inside ``tf.function``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from hgsgc.compression import DenseCompression, SparseCompression, as_compression, codec
+from hgsgc.compression.memory import ResidualMemory
+from hgsgc.compression.sparsify import exact_topk, num_selected, sampled_threshold_topk
+
+STAT_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
+             "dense_bytes", "messages")
+
+
+class CommStats:
+    """Cumulative int64 counters of one rank's exchanges (all in bytes except the counts).
+
+    ``exchanges``: collective exchanges run; ``gradient_bytes``: fp32 size 4 d of the tensors
+    exchanged; ``payload_bytes``: the rank's own encoded payload; ``bytes_sent`` /
+    ``bytes_received``: what crosses the rank's link under the collective's ring model;
+    ``dense_bytes``: what fp32 ring allreduce would send, 2 (n - 1) / n * 4 d; ``messages``:
+    collective calls issued.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.vars = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name="hgsgc_" + k)
+                         for k in STAT_KEYS}
+
+    def add(self, **amounts):
+        return tf.group(*[self.vars[k].assign_add(tf.constant(int(v), tf.int64))
+                          for k, v in amounts.items()])
+
+    def snapshot(self) -> dict:
+        """Current totals as Python ints."""
+        return {k: int(v.numpy()) for k, v in self.vars.items()}
+
+    def reset(self):
+        for v in self.vars.values():
+            v.assign(0)
+
+
+def _ring_allreduce_bytes(n: int, nbytes: int) -> int:
+    return (2 * (n - 1) * nbytes) // n if n > 1 else 0
+
+
+class Exchanger:
+    """Averages lists of tensors over a process set through a compression setting.
+
+    Args:
+        compression: ``hgsgc.Compression.*`` value (or Horovod's ``Compression.none/fp16``).
+        process_set: Horovod process set (default: all ranks).
+        memory: error-feedback memory (a new one if None); residuals are keyed by name.
+        stats: byte counters (a new :class:`CommStats` if None).
+
+    Raises:
+        TypeError: unsupported ``compression``.
+    """
+
+    def __init__(self, compression=None, process_set=None, memory: Optional[ResidualMemory] = None,
+                 stats: Optional[CommStats] = None):
+        self.compression = as_compression(compression if compression is not None
+                                          else DenseCompression("none"))
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.memory = memory if memory is not None else ResidualMemory()
+        self.stats = stats if stats is not None else CommStats()
+        self._seed_step = None
+
+    @property
+    def size(self) -> int:
+        """Ranks in the process set."""
+        ps = self.process_set
+        if ps is hvd.global_process_set or getattr(ps, "process_set_id", 0) == 0:
+            return hvd.size()
+        return len(ps.ranks)
+
+    # ----------------------------------------------------------------------------------------
+    def exchange(self, tensors: Sequence[tf.Tensor], names: Sequence[str]) -> List[tf.Tensor]:
+        """Average ``tensors`` over the process set.
+
+        Args:
+            tensors: tensors of any shape; ``None`` entries pass through as ``None``.
+            names: a unique name per tensor (residual keys), same order on every rank.
+
+        Returns:
+            the averages, same shapes and dtypes, identical on every rank of the process set.
+            Integer tensors are averaged densely (never compressed); empty tensors pass through.
+        """
+        if len(tensors) != len(names):
+            raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
+        out: List[Optional[tf.Tensor]] = [None] * len(tensors)
+        dense_pos, sparse_pos = [], []
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            if isinstance(t, tf.IndexedSlices):
+                t = tf.convert_to_tensor(t)
+            if t.shape.num_elements() == 0:
+                out[i] = t
+            elif isinstance(self.compression, SparseCompression) and t.dtype.is_floating:
+                sparse_pos.append((i, t))
+            else:
+                dense_pos.append((i, t))
+        if dense_pos:
+            for (i, _), r in zip(dense_pos, self._dense([t for _, t in dense_pos])):
+                out[i] = r
+        if sparse_pos:
+            res = self._sparse([t for _, t in sparse_pos], [names[i] for i, _ in sparse_pos])
+            for (i, _), r in zip(sparse_pos, res):
+                out[i] = r
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    def _dense(self, tensors):
+        n = self.size
+        comp = self.compression
+        hvd_comp = comp.horovod if isinstance(comp, DenseCompression) else hvd.Compression.none
+        per_entry = comp.wire_bytes_per_entry if isinstance(comp, DenseCompression) else 4
+        d = sum(int(t.shape.num_elements()) for t in tensors)
+        payload = sum(int(t.shape.num_elements()) * (per_entry if t.dtype.is_floating
+                                                      else t.dtype.size) for t in tensors)
+        wire = _ring_allreduce_bytes(n, payload)
+        if n == 1:
+            result = list(tensors)
+        else:
+            result = hvd.grouped_allreduce(list(tensors), op=hvd.Average, compression=hvd_comp,
+                                           process_set=self.process_set)
+        with tf.control_dependencies(result):
+            upd = self.stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=payload,
+                                 bytes_sent=wire, bytes_received=wire,
+                                 dense_bytes=_ring_allreduce_bytes(n, 4 * d), messages=1)
+        with tf.control_dependencies([upd]):
+            return [tf.identity(r) for r in result]
+
+    def _select(self, a, k):
+        comp = self.compression
+        if comp.selector == "sampled":
+            seed = tf.stack([tf.cast(self.stats.vars["exchanges"] % 2**30, tf.int32),
+                             tf.constant(1013, tf.int32)])
+            return sampled_threshold_topk(a, k, seed=seed)
+        return exact_topk(a, k)
+
+    def _sparse(self, tensors, names):
+        comp: SparseCompression = self.compression
+        n = self.size
+        specs, payloads, updates = [], [], []
+        for t, name in zip(tensors, names):
+            numel = int(t.shape.num_elements())
+            flat = tf.reshape(tf.cast(t, tf.float32), [-1])
+            a = self.memory.compensate(name, flat) if comp.error_feedback else flat
+            k = num_selected(numel, comp.density)
+            idx, vals = self._select(a, k)
+            payload, sent = codec.encode(idx, vals, numel, comp.bits)
+            if comp.error_feedback:
+                sent_dense = tf.scatter_nd(idx[:, None], sent, [numel])
+                updates.append(self.memory.update(name, a, sent_dense))
+            specs.append((numel, k, int(payload.shape[0])))
+            payloads.append(payload)
+        P = sum(p for _, _, p in specs)
+        d = sum(numel for numel, _, _ in specs)
+        buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
+        with tf.control_dependencies(updates):
+            gathered = hvd.allgather(buf, process_set=self.process_set) if n > 1 else tf.identity(buf)
+        gathered = tf.reshape(gathered, [n, P])
+        wire = (n - 1) * P
+        upd = self.stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=P, bytes_sent=wire,
+                             bytes_received=wire, dense_bytes=_ring_allreduce_bytes(n, 4 * d),
+                             messages=1)
+        results, off = [], 0
+        for t, (numel, k, p) in zip(tensors, specs):
+            dense = []
+            for r in range(n):
+                idx, vals = codec.decode(gathered[r, off:off + p], numel, k, comp.bits)
+                dense.append(tf.scatter_nd(idx[:, None], vals, [numel]))
+            off += p
+            total = tf.add_n(dense) if n > 1 else dense[0]
+            avg = tf.reshape(total / float(n), t.shape)
+            with tf.control_dependencies([upd]):
+                results.append(tf.cast(avg, t.dtype))
+        return results
+
+    # ----------------------------------------------------------------------------------------
+    def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
+        """The rank's payload in bytes for one exchange of float32 tensors of ``shapes``."""
+        comp = self.compression
+        total = 0
+        for s in shapes:
+            numel = int(np.prod(s)) if len(s) else 1
+            if isinstance(comp, SparseCompression):
+                total += codec.payload_length(numel, num_selected(numel, comp.density), comp.bits)
+            else:
+                total += comp.wire_bytes_per_entry * numel
+        return total

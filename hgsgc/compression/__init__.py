@@ -1,0 +1,156 @@
+"""Compression settings and building blocks.
+
+``Compression`` mirrors ``horovod.tensorflow.Compression`` so switching is one argument::
+
+    opt = hgsgc.DistributedOptimizer(opt, compression=hgsgc.Compression.sgc(density=0.005))
+
+Building blocks (each small, with explicit state): :mod:`.sparsify` (top-k selection),
+:mod:`.quantize` (2-bit values), :mod:`.codec` (wire payload), :mod:`.memory` (error feedback).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+HIERARCHIES = ("allgather",)
+SELECTORS = ("exact", "sampled")
+
+
+@dataclass(frozen=True)
+class DenseCompression:
+    """Dense exchange through Horovod allreduce (average), optionally fp16 on the wire.
+
+    ``kind`` is ``"none"`` (fp32, 4 bytes per entry) or ``"fp16"`` (Horovod's
+    ``Compression.fp16``, 2 bytes per entry). ``delay=H > 1`` is local SGD (Lin et al. 2020):
+    H local steps, then the model delta is averaged densely.
+    Usable wherever Horovod expects a compressor (``compress``/``decompress``).
+    """
+
+    kind: str = "none"
+    delay: int = 1
+
+    def __post_init__(self):
+        if self.kind not in ("none", "fp16"):
+            raise ValueError(f"dense compression kind must be 'none' or 'fp16', got {self.kind!r}")
+        _check_delay(self.delay)
+
+    @property
+    def horovod(self):
+        import horovod.tensorflow as hvd
+
+        return hvd.Compression.fp16 if self.kind == "fp16" else hvd.Compression.none
+
+    @property
+    def wire_bytes_per_entry(self) -> int:
+        return 2 if self.kind == "fp16" else 4
+
+    def compress(self, tensor):
+        return self.horovod.compress(tensor)
+
+    def decompress(self, tensor, ctx):
+        return self.horovod.decompress(tensor, ctx)
+
+    def to_dict(self) -> dict:
+        return {"method": self.kind, "delay": self.delay}
+
+
+@dataclass(frozen=True)
+class SparseCompression:
+    """Top-k sparsification with error feedback, optional 2-bit values and communication delay.
+
+    Attributes:
+        density: fraction of entries each rank sends per tensor, in (0, 1];
+            k = max(1, ceil(density * numel)) clamped to numel.
+        bits: 32 (fp32 values) or 2 (2-bit codes + two fp32 scales per tensor).
+        delay: H >= 1. H = 1 compresses gradients each step; H > 1 runs H local optimizer steps
+            and then exchanges the compressed model delta since the last sync (plus residual).
+        hierarchy: how payloads are exchanged; ``"allgather"`` (flat, (n - 1) p bytes per rank).
+        selector: ``"exact"`` top-k or ``"sampled"`` threshold (Deep Gradient Compression).
+        error_feedback: keep what was not sent in a residual (True) or drop it (False).
+        method: the name reported in summaries (``"topk"`` or ``"sgc"``).
+    """
+
+    density: float
+    bits: int = 2
+    delay: int = 1
+    hierarchy: str = "allgather"
+    selector: str = "exact"
+    error_feedback: bool = True
+    method: str = "sgc"
+
+    def __post_init__(self):
+        try:
+            d = float(self.density)
+        except (TypeError, ValueError):
+            raise ValueError(f"density must be a number in (0, 1], got {self.density!r}") from None
+        if not 0.0 < d <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}: use e.g. density=0.01")
+        if self.bits not in (2, 32):
+            raise ValueError(f"bits must be 2 or 32, got {self.bits!r}")
+        _check_delay(self.delay)
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_delay(delay):
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
+        raise ValueError(f"delay must be an integer >= 1 (1 = synchronize every step), got {delay!r}")
+
+
+class Compression:
+    """Compression choices, named like ``horovod.tensorflow.Compression``.
+
+    * ``Compression.none``: Horovod dense fp32 allreduce.
+    * ``Compression.fp16``: Horovod's fp16 allreduce.
+    * ``Compression.topk(density, bits=32, ...)``: top-k + error feedback, fp32 values, allgather
+      (the GRACE-style baseline; Xu et al. 2021).
+    * ``Compression.sgc(density, bits=2, delay=1, hierarchy="allgather", ...)``: Sparse Gradient
+      Compression: top-k + error feedback + 2-bit values + communication delay.
+    * ``Compression.localsgd(delay)``: local SGD, dense periodic averaging (Lin et al. 2020).
+    """
+
+    none = DenseCompression("none")
+    fp16 = DenseCompression("fp16")
+
+    @staticmethod
+    def topk(density: float, bits: int = 32, selector: str = "exact",
+             error_feedback: bool = True) -> SparseCompression:
+        return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
+                                 error_feedback=error_feedback, method="topk")
+
+    @staticmethod
+    def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
+            selector: str = "exact", error_feedback: bool = True) -> SparseCompression:
+        return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
+                                 selector=selector, error_feedback=error_feedback, method="sgc")
+
+    @staticmethod
+    def localsgd(delay: int) -> DenseCompression:
+        return DenseCompression("none", delay=delay)
+
+
+def as_compression(compression):
+    """Normalise a compression argument: hgsgc settings, or Horovod's ``Compression.none/fp16``.
+
+    Raises:
+        TypeError: anything else, naming the accepted values.
+    """
+    if isinstance(compression, (DenseCompression, SparseCompression)):
+        return compression
+    try:
+        import horovod.tensorflow as hvd
+
+        if compression is hvd.Compression.none:
+            return Compression.none
+        if compression is hvd.Compression.fp16:
+            return Compression.fp16
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(
+        f"compression={compression!r} is not supported: use hgsgc.Compression.none, .fp16, "
+        ".topk(density), .sgc(density, bits, delay) or .localsgd(delay)")

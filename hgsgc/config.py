@@ -1,0 +1,187 @@
+"""Experiment configuration: YAML file + dotted ``key=value`` overrides, validated.
+
+Schema (OmegaConf structured config, unknown keys rejected) and defaults below; see
+``configs/*.yaml``. :func:`load_config` raises :class:`ConfigError` with one line that names the
+key and the fix, so every rank can stop before any collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hgsgc.data import DEFAULT_PATH
+from hgsgc.models import MODELS
+
+METHODS = ("none", "fp16", "topk", "sgc", "localsgd")
+LAYOUTS = ("data_parallel",)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key and the fix."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "fashion_mnist"
+    out_dir: str = "runs"
+    id: Optional[str] = None  # default: <name>-<UTC time>
+    seed: int = 42
+
+
+@dataclass
+class DataConfig:
+    path: str = DEFAULT_PATH
+    train_limit: int = 0  # 0 = all 60,000 training images
+    test_limit: int = 0  # 0 = all 10,000 test images
+
+
+@dataclass
+class ModelConfig:
+    name: str = "alexnet_small"
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    batch_size: int = 32  # per rank
+    lr: float = 0.05
+    momentum: float = 0.9
+    warmup_steps: int = 0  # linear learning-rate warm-up
+    threads: int = 0  # TF threads per rank; 0 = cores / ranks on the host
+    max_steps_per_epoch: int = 0  # 0 = the whole epoch
+    progress: bool = True  # Keras progress bar on rank 0
+
+
+@dataclass
+class CompressionConfig:
+    method: str = "sgc"  # none | fp16 | topk | sgc | localsgd
+    density: float = 0.005
+    bits: int = 2
+    delay: int = 1
+    hierarchy: str = "allgather"
+    selector: str = "exact"
+    error_feedback: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    layout: str = "data_parallel"
+
+
+def _valid_keys(node, prefix=""):
+    keys = []
+    for f in dataclasses.fields(node):
+        v = getattr(node, f.name)
+        if dataclasses.is_dataclass(v):
+            keys += _valid_keys(v, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Read ``path`` (YAML), apply ``overrides`` (``["train.epochs=3", ...]``), validate.
+
+    Returns:
+        a :class:`Config` dataclass instance.
+
+    Raises:
+        ConfigError: missing file, unknown key, wrong type or out-of-range value.
+    """
+    base = OmegaConf.structured(Config)
+    parts = [base]
+    try:
+        if path is not None:
+            if not os.path.exists(path):
+                raise ConfigError(f"config file not found: {path} (see configs/*.yaml)")
+            parts.append(OmegaConf.load(path))
+        for o in overrides or []:
+            if "=" not in o:
+                raise ConfigError(f"override {o!r} is not key=value (e.g. train.epochs=3)")
+        if overrides:
+            parts.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*parts)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = str(exc).splitlines()[0]
+        if "not in" in msg or "Key" in msg and "not" in msg:
+            raise ConfigError(f"unknown config key '{key}': valid keys are "
+                              f"{', '.join(_valid_keys(Config()))}") from None
+        raise ConfigError(f"config key '{key}': {msg}") from None
+    except Exception as exc:  # YAML syntax errors and the like
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    cfg: Config = OmegaConf.to_object(merged)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks; raises :class:`ConfigError` naming the key and the fix."""
+    c, t = cfg.compression, cfg.train
+
+    def bad(key, value, fix):
+        raise ConfigError(f"{key}={value!r} is invalid: {fix}")
+
+    if c.method not in METHODS:
+        bad("compression.method", c.method, f"use one of {', '.join(METHODS)}")
+    if c.method in ("topk", "sgc") and not 0.0 < c.density <= 1.0:
+        bad("compression.density", c.density, "must be in (0, 1], e.g. 0.005")
+    if c.bits not in (2, 32):
+        bad("compression.bits", c.bits, "use 2 (2-bit values) or 32 (fp32 values)")
+    if c.delay < 1:
+        bad("compression.delay", c.delay, "must be an integer >= 1 (1 = synchronize every step)")
+    if c.method in ("none", "fp16", "topk") and c.delay != 1:
+        bad("compression.delay", c.delay, f"method {c.method} synchronizes every step: use "
+                                          "method=sgc or method=localsgd for delay > 1")
+    if c.hierarchy not in ("allgather",):
+        bad("compression.hierarchy", c.hierarchy, "use allgather")
+    if c.selector not in ("exact", "sampled"):
+        bad("compression.selector", c.selector, "use exact or sampled")
+    if t.epochs < 1:
+        bad("train.epochs", t.epochs, "must be >= 1")
+    if t.batch_size < 1:
+        bad("train.batch_size", t.batch_size, "must be >= 1 (examples per rank per step)")
+    if not t.lr > 0:
+        bad("train.lr", t.lr, "must be > 0")
+    if not 0 <= t.momentum < 1:
+        bad("train.momentum", t.momentum, "must be in [0, 1)")
+    for key, v in (("train.warmup_steps", t.warmup_steps), ("train.threads", t.threads),
+                   ("train.max_steps_per_epoch", t.max_steps_per_epoch),
+                   ("data.train_limit", cfg.data.train_limit), ("data.test_limit", cfg.data.test_limit)):
+        if v < 0:
+            bad(key, v, "must be >= 0")
+    if cfg.model.name not in MODELS:
+        bad("model.name", cfg.model.name, f"use one of {', '.join(MODELS)}")
+    if cfg.layout not in LAYOUTS:
+        bad("layout", cfg.layout, f"use one of {', '.join(LAYOUTS)}")
+
+
+def compression_from_config(c: CompressionConfig):
+    """The ``hgsgc.Compression`` value a :class:`CompressionConfig` describes."""
+    from hgsgc.compression import Compression, DenseCompression
+
+    if c.method in ("none", "fp16"):
+        return DenseCompression(c.method)
+    if c.method == "localsgd":
+        return Compression.localsgd(c.delay)
+    if c.method == "topk":
+        return Compression.topk(c.density, bits=c.bits, selector=c.selector,
+                                error_feedback=c.error_feedback)
+    return Compression.sgc(c.density, bits=c.bits, delay=c.delay, hierarchy=c.hierarchy,
+                           selector=c.selector, error_feedback=c.error_feedback)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

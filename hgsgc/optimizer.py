@@ -1,0 +1,204 @@
+"""``DistributedOptimizer`` and ``DistributedGradientTape``: Horovod's API plus ``compression=``.
+
+Both take the same arguments as ``horovod.tensorflow.keras.DistributedOptimizer`` /
+``horovod.tensorflow.DistributedGradientTape``; ``compression`` additionally accepts
+``hgsgc.Compression.topk/sgc/localsgd``. Gradients are averaged through
+:class:`hgsgc.communicator.Exchanger`; every rank applies the identical update.
+
+Communication delay (``delay=H > 1``, the "communication delay" of SGC and local SGD of
+Lin et al. 2020): the optimizer applies each rank's own gradient locally; after every H-th
+local step it exchanges ``a = (w_sync - w) + residual`` (the model delta since the last sync,
+compressed with error feedback), and sets ``w = w_sync = w_sync - average(a)`` on every rank.
+Ranks must start from identical weights (``hvd.broadcast_variables`` before the first step, as
+with Horovod); then the weights are identical on every rank right after each sync.
+"""
+from __future__ import annotations
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hgsgc.communicator import Exchanger
+from hgsgc.compression import Compression, as_compression
+
+
+def _var_names(variables):
+    names, seen = [], {}
+    for i, v in enumerate(variables):
+        base = getattr(v, "name", None) or f"tensor_{i}"
+        c = seen.get(base, 0)
+        seen[base] = c + 1
+        names.append(base if c == 0 else f"{base}#{c}")
+    return names
+
+
+def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, groups, num_groups):
+    if op is not hvd.Average and op != hvd.Average:
+        raise ValueError("hgsgc averages gradients: op must be hvd.Average")
+    if gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor is not supported by hgsgc: leave it at 1.0")
+    if backward_passes_per_step != 1:
+        raise ValueError("backward_passes_per_step > 1 is not supported: use "
+                         "Compression.sgc(..., delay=H) for fewer synchronizations")
+    if groups is not None or num_groups:
+        raise ValueError("groups/num_groups are not needed: hgsgc sends one fused payload per step")
+
+
+class _HgsgcOptimizerMixin:
+    """Methods mixed into the wrapped Keras legacy optimizer class."""
+
+    def _hgsgc_setup(self, compression, process_set):
+        self._hgsgc_compression = as_compression(compression)
+        self._hgsgc_exchanger = Exchanger(self._hgsgc_compression, process_set)
+        self._hgsgc_anchors = None
+        self._hgsgc_local_step = None
+
+    @property
+    def hgsgc_exchanger(self) -> Exchanger:
+        """The :class:`Exchanger` (its ``stats`` and ``memory`` hold byte counts and residuals)."""
+        return self._hgsgc_exchanger
+
+    @property
+    def hgsgc_stats(self):
+        return self._hgsgc_exchanger.stats
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        grads_and_vars = [(g, v) for g, v in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        names = _var_names(variables)
+        delay = self._hgsgc_compression.delay
+        if delay == 1:
+            avg = self._hgsgc_exchanger.exchange([g for g, _ in grads_and_vars], names)
+            pairs = [(g, v) for g, (_, v) in zip(avg, grads_and_vars) if g is not None]
+            return super().apply_gradients(pairs, name=name,
+                                           experimental_aggregate_gradients=experimental_aggregate_gradients)
+        self._hgsgc_build_delay(variables)
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        op = super().apply_gradients(pairs, name=name,
+                                     experimental_aggregate_gradients=experimental_aggregate_gradients)
+        with tf.control_dependencies([op]):
+            step = self._hgsgc_local_step.assign_add(1)
+            tf.cond(tf.equal(step % delay, 0), lambda: self._hgsgc_sync(variables, names),
+                    lambda: tf.constant(False))
+        return op
+
+    def _hgsgc_build_delay(self, variables):
+        if self._hgsgc_anchors is None:
+            with tf.init_scope():
+                self._hgsgc_local_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                     name="hgsgc_local_step")
+                self._hgsgc_anchors = [tf.Variable(v.read_value(), trainable=False,
+                                                   name="hgsgc_anchor_" + v.name.replace(":", "_"))
+                                       for v in variables]
+        if len(self._hgsgc_anchors) != len(variables):
+            raise ValueError("with delay > 1 every apply_gradients call must pass the same variables")
+
+    def _hgsgc_sync(self, variables, names):
+        """Exchange the model delta since the last sync; all ranks end on identical weights."""
+        deltas = [a - v for a, v in zip(self._hgsgc_anchors, variables)]
+        avg = self._hgsgc_exchanger.exchange(deltas, names)
+        ops = []
+        for a, v, d in zip(self._hgsgc_anchors, variables, avg):
+            new = a - d
+            ops.append(v.assign(new))
+            ops.append(a.assign(new))
+        with tf.control_dependencies(ops):
+            return tf.constant(True)
+
+    def hgsgc_state(self) -> dict:
+        """Serialisable hgsgc state: residuals (numpy) and, with delay, the sync anchors."""
+        state = {"residuals": self._hgsgc_exchanger.memory.state_dict()}
+        if self._hgsgc_anchors is not None:
+            state["anchors"] = [a.numpy() for a in self._hgsgc_anchors]
+            state["local_step"] = int(self._hgsgc_local_step.numpy())
+        return state
+
+    def load_hgsgc_state(self, state: dict):
+        """Restore :meth:`hgsgc_state` output (residuals; anchors once built)."""
+        self._hgsgc_exchanger.memory.load_state_dict(state.get("residuals", {}))
+        if "anchors" in state and self._hgsgc_anchors is not None:
+            for a, s in zip(self._hgsgc_anchors, state["anchors"]):
+                a.assign(s)
+            self._hgsgc_local_step.assign(state["local_step"])
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=hvd.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=hvd.global_process_set,
+                         scale_local_gradients=True):
+    """Wrap a Keras legacy optimizer so ``apply_gradients`` averages through ``compression``.
+
+    Same arguments as ``horovod.tensorflow.keras.DistributedOptimizer``; ``compression`` also
+    accepts ``hgsgc.Compression.topk(...)``, ``.sgc(...)`` and ``.localsgd(H)``. Works with
+    ``model.fit`` and custom loops (``opt.apply_gradients(zip(local_grads, vars))``).
+
+    Args:
+        optimizer: a ``tf.keras.optimizers.legacy.Optimizer`` instance (e.g. legacy ``SGD``).
+        compression: how gradients (or, with delay, model deltas) are exchanged.
+        process_set: Horovod process set whose ranks average together.
+
+    Returns:
+        an optimizer of a subclass of ``optimizer``'s class with the same configuration; its
+        ``hgsgc_stats`` holds exact byte counts, ``hgsgc_state()`` the residuals.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras legacy optimizer (Keras 2.15's new optimizers
+            are not supported, as in Horovod 0.28), or ``compression`` is unsupported.
+        ValueError: an argument hgsgc does not support (``op`` other than Average, grouping,
+            pre-division, ``backward_passes_per_step > 1``).
+    """
+    if not isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+        raise TypeError(f"hgsgc.DistributedOptimizer needs a tf.keras.optimizers.legacy optimizer, "
+                        f"got {type(optimizer).__name__}: use e.g. tf.keras.optimizers.legacy.SGD")
+    _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, groups, num_groups)
+    comp = as_compression(compression)
+    base = optimizer.__class__
+    cls = type(base.__name__, (_HgsgcOptimizerMixin, base), {})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    new = cls.from_config(config)
+    new._hgsgc_setup(comp, process_set)
+    return new
+
+
+class DistributedGradientTape:
+    """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged through ``compression``.
+
+    Same arguments as ``horovod.tensorflow.DistributedGradientTape``. Communication delay needs
+    the optimizer (it exchanges model deltas after local steps), so ``delay`` must be 1 here.
+
+    Raises:
+        ValueError: ``compression`` with ``delay > 1``, or an unsupported Horovod argument.
+    """
+
+    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                 num_groups=0, groups=None, process_set=hvd.global_process_set,
+                 scale_local_gradients=True):
+        _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
+        comp = as_compression(compression)
+        if comp.delay != 1:
+            raise ValueError("DistributedGradientTape exchanges every step: use "
+                             "hgsgc.DistributedOptimizer for compression with delay > 1")
+        self._tape = gradtape
+        self.exchanger = Exchanger(comp, process_set)
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        """Local gradients of ``target`` w.r.t. ``sources`` (any nest), averaged over ranks."""
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        flat_src = tf.nest.flatten(sources)
+        flat_g = tf.nest.flatten(grads, expand_composites=False)
+        avg = self.exchanger.exchange(flat_g, _var_names(flat_src))
+        return tf.nest.pack_sequence_as(grads, avg)
+
+    def __getattr__(self, item):
+        return getattr(self._tape, item)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)

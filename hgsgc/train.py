@@ -1,0 +1,223 @@
+"""The main job: data-parallel training on Fashion-MNIST with a chosen compression.
+
+Every rank runs :func:`run`; rank 0 prints progress and writes ``runs/<id>/metrics.jsonl``
+(one JSON line per epoch) and ``runs/<id>/summary.json`` (keys in DESIGN.md / docs/api.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _setup_threads(threads: int):
+    import tensorflow as tf
+
+    if threads <= 0:
+        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
+        threads = max(1, (os.cpu_count() or 1) // max(1, local))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    return threads
+
+
+def _ring(n, nbytes):
+    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
+
+
+def run(cfg, log=print) -> dict:
+    """Train and evaluate as configured; returns the summary (same on every rank).
+
+    Raises:
+        hgsgc.data.DataError: data files missing or malformed.
+    """
+    threads = _setup_threads(cfg.train.threads)
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hgsgc
+    from hgsgc import config as config_mod
+    from hgsgc.data import epoch_batches, load_fashion_mnist, shard
+    from hgsgc.models import build_model
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    is_root = rank == 0
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+
+    data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
+    steps_per_epoch = len(data.x_train) // (size * cfg.train.batch_size)
+    if steps_per_epoch < 1:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} x {size} ranks exceeds the "
+                         f"{len(data.x_train)} training images: lower train.batch_size")
+    if cfg.train.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps_per_epoch)
+
+    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    compression = config_mod.compression_from_config(cfg.compression)
+    lr = cfg.train.lr
+    if cfg.train.warmup_steps:
+        lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
+    opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
+    opt = hgsgc.DistributedOptimizer(opt, compression=compression)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def eval_step(x, y):
+        logits = model(x, training=False)
+        loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float32))
+        return tf.reduce_sum(loss), correct
+
+    def evaluate():
+        idx = shard(len(data.x_test), rank, size)
+        tot_loss = tot_correct = 0.0
+        for s in range(0, len(idx), 500):
+            b = idx[s:s + 500]
+            l, c = eval_step(data.x_test[b], data.y_test[b])
+            tot_loss += float(l)
+            tot_correct += float(c)
+        sums = hvd.allreduce(tf.constant([tot_loss, tot_correct, float(len(idx))], tf.float64),
+                             op=hvd.Sum, name="hgsgc_eval").numpy()
+        return sums[0] / sums[2], sums[1] / sums[2]
+
+    run_id = cfg.run.id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    run_dir = os.path.join(cfg.run.out_dir, run_id)
+    if is_root:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_mod.to_dict(cfg), f, indent=2)
+        d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        log(f"hgsgc: {size} ranks, {threads} TF threads each, model {cfg.model.name} "
+            f"({d:,} parameters), compression {compression.to_dict()}, "
+            f"{steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, run dir {run_dir}")
+
+    stats = opt.hgsgc_stats
+    d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    grad_bytes = 4 * d
+    t_start = time.perf_counter()
+    step_times, history, total_steps = [], [], 0
+    first_step_time = None
+    metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w") if is_root else None
+    for epoch in range(cfg.train.epochs):
+        batches = epoch_batches(len(data.x_train), cfg.train.batch_size, rank, size, epoch,
+                                cfg.run.seed)[:steps_per_epoch]
+        before = stats.snapshot()
+        bar = None
+        if is_root and cfg.train.progress:
+            bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step")
+        losses = []
+        epoch_t0 = time.perf_counter()
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            loss = float(train_step(data.x_train[b], data.y_train[b]))
+            if first_step_time is None:  # graph tracing: reported apart, not in the mean
+                first_step_time = time.perf_counter() - t0
+            else:
+                step_times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if bar is not None:
+                bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
+        epoch_time = time.perf_counter() - epoch_t0
+        total_steps += len(batches)
+        after = stats.snapshot()
+        diff = {k: after[k] - before[k] for k in after}
+        test_loss, test_acc = evaluate()
+        n_steps = max(1, len(batches))
+        payload = diff["payload_bytes"] / n_steps
+        rec = {
+            "epoch": epoch + 1,
+            "steps": len(batches),
+            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "test_loss": test_loss,
+            "test_accuracy": test_acc,
+            "epoch_time_s": epoch_time,
+            "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
+            "gradient_bytes": grad_bytes,
+            "payload_bytes_per_step_per_rank": payload,
+            "bytes_sent_per_step_per_rank": diff["bytes_sent"] / n_steps,
+            "bytes_received_per_step_per_rank": diff["bytes_received"] / n_steps,
+            "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
+            "compression_ratio": grad_bytes / payload if payload else float("inf"),
+            "exchanges": diff["exchanges"],
+        }
+        history.append(rec)
+        if is_root:
+            metrics_f.write(json.dumps(rec) + "\n")
+            metrics_f.flush()
+            log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {rec['train_loss']:.4f} "
+                f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
+                f"step {rec['mean_step_time_s'] * 1e3:.1f} ms "
+                f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
+                f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
+                f"compression_ratio {rec['compression_ratio']:.1f}")
+    wall = time.perf_counter() - t_start
+    if metrics_f:
+        metrics_f.close()
+
+    tot = stats.snapshot()
+    steps = max(1, total_steps)
+    payload = tot["payload_bytes"] / steps
+    last = history[-1]
+    summary = {
+        "run_id": run_id,
+        "final_test_accuracy": last["test_accuracy"],
+        "final_test_loss": last["test_loss"],
+        "final_train_loss": last["train_loss"],
+        "epochs": cfg.train.epochs,
+        "steps": total_steps,
+        "world_size": size,
+        "layout": cfg.layout,
+        "model": cfg.model.name,
+        "parameters": d,
+        "compression": compression.to_dict(),
+        "mean_step_time_s": float(np.mean(step_times)) if step_times else 0.0,
+        "first_step_time_s": first_step_time,
+        "wall_time_s": wall,
+        "gradient_bytes": grad_bytes,
+        "payload_bytes_per_step_per_rank": payload,
+        "bytes_sent_per_step_per_rank": tot["bytes_sent"] / steps,
+        "bytes_received_per_step_per_rank": tot["bytes_received"] / steps,
+        "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
+        "compression_ratio": grad_bytes / payload if payload else float("inf"),
+        "exchanges": tot["exchanges"],
+        "seed": cfg.run.seed,
+        "batch_size_per_rank": cfg.train.batch_size,
+    }
+    if is_root:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        model.save(os.path.join(run_dir, "model.keras"))
+        log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}, "
+            f"compression ratio {summary['compression_ratio']:.1f}, "
+            f"summary: {os.path.join(run_dir, 'summary.json')}")
+    return summary
+
+
+class _Warmup:
+    """Linear learning-rate warm-up (Goyal et al. 2017) as a Keras LearningRateSchedule."""
+
+    def __new__(cls, lr, steps):
+        import tensorflow as tf
+
+        class Sched(tf.keras.optimizers.schedules.LearningRateSchedule):
+            def __call__(self, step):
+                frac = tf.minimum(1.0, tf.cast(step + 1, tf.float32) / float(steps))
+                return lr * frac
+
+            def get_config(self):
+                return {"lr": lr, "steps": steps}
+
+        return Sched()
