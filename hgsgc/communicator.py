@@ -98,6 +98,7 @@ class Exchanger:
         return len(ps.ranks)
 
     # ----------------------------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert  # plain graph code: nothing for AutoGraph to do
     def exchange(self, tensors: Sequence[tf.Tensor], names: Sequence[str]) -> List[tf.Tensor]:
         """Average ``tensors`` over the process set.
 

@@ -61,6 +61,7 @@ class _HgsgcOptimizerMixin:
     def hgsgc_stats(self):
         return self._hgsgc_exchanger.stats
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         variables = [v for _, v in grads_and_vars]

@@ -1,0 +1,28 @@
+# hgsgc: two commands on a fresh machine (as root):
+#   make demo   install everything, then train the main job (SGC, 4 ranks, Fashion-MNIST)
+#   make test   install everything, then run the test suite (single process and under mpirun)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 4
+DEMO_ARGS ?=
+MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test test-fast clean
+
+install:
+	bash scripts/install.sh
+
+demo: install
+	$(MPIRUN) -np $(NP) -x TF_CPP_MIN_LOG_LEVEL $(VENV)/bin/hgsgc train configs/fashion_mnist.yaml $(DEMO_ARGS)
+
+test: install
+	bash scripts/run_tests.sh
+
+test-fast: install
+	$(PY) -m pytest -q -m "not mpi and not slow" tests
+
+clean:
+	rm -rf build *.egg-info hgsgc/_ops*.so runs .pytest_cache

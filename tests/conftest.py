@@ -1,0 +1,28 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+PY = sys.executable
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+
+
+def mpirun(np_, args, timeout=300, env=None):
+    """Run ``args`` (a python script and its arguments) under mpirun with np_ ranks."""
+    e = dict(os.environ)
+    e.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    cmd = MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL"]
+    for k in (env or {}):
+        cmd += ["-x", k]
+    cmd += [PY] + list(args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+
+
+@pytest.fixture
+def run_mpi():
+    return mpirun
