@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -18,7 +18,7 @@ from hgsgc.data import DEFAULT_PATH
 from hgsgc.models import MODELS
 
 METHODS = ("none", "fp16", "topk", "sgc", "localsgd")
-LAYOUTS = ("data_parallel",)
+LAYOUTS = ("data_parallel", "hourglass")
 
 
 class ConfigError(ValueError):
@@ -69,13 +69,22 @@ class CompressionConfig:
 
 
 @dataclass
+class HourglassConfig:
+    fc_workers: Any = "auto"  # number of FC ranks, or "auto" (cost model, docs/hourglass.md)
+    split_layer: Optional[str] = None  # first FC-head layer; default: first Dense after the last conv
+    fc_method: str = "none"  # compression among FC ranks: none | fp16 | topk | sgc
+    link_bandwidth_mbps: float = 1000.0  # cost-model input for fc_workers=auto
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    layout: str = "data_parallel"
+    layout: str = "data_parallel"  # data_parallel | hourglass
+    hourglass: HourglassConfig = field(default_factory=HourglassConfig)
 
 
 def _valid_keys(node, prefix=""):
@@ -145,8 +154,10 @@ def validate(cfg: Config) -> None:
     if c.method in ("none", "fp16", "topk") and c.delay != 1:
         bad("compression.delay", c.delay, f"method {c.method} synchronizes every step: use "
                                           "method=sgc or method=localsgd for delay > 1")
-    if c.hierarchy not in ("allgather",):
-        bad("compression.hierarchy", c.hierarchy, "use allgather")
+    from hgsgc.compression import HIERARCHIES
+
+    if c.hierarchy not in HIERARCHIES:
+        bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
     if c.selector not in ("exact", "sampled"):
         bad("compression.selector", c.selector, "use exact or sampled")
     if t.epochs < 1:
@@ -166,6 +177,14 @@ def validate(cfg: Config) -> None:
         bad("model.name", cfg.model.name, f"use one of {', '.join(MODELS)}")
     if cfg.layout not in LAYOUTS:
         bad("layout", cfg.layout, f"use one of {', '.join(LAYOUTS)}")
+    h = cfg.hourglass
+    if not (h.fc_workers == "auto" or (isinstance(h.fc_workers, int) and not isinstance(h.fc_workers, bool)
+                                       and h.fc_workers >= 1)):
+        bad("hourglass.fc_workers", h.fc_workers, "use auto or an integer >= 1")
+    if h.fc_method not in ("none", "fp16", "topk", "sgc"):
+        bad("hourglass.fc_method", h.fc_method, "use none, fp16, topk or sgc")
+    if not h.link_bandwidth_mbps > 0:
+        bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
 
 
 def compression_from_config(c: CompressionConfig):
