@@ -34,6 +34,27 @@ def _abort(code: int):
     sys.exit(code)
 
 
+def run_guarded(fn, *args, **kwargs):
+    """Call ``fn``; if it raises on this rank, print one line and abort the whole MPI job.
+
+    ``MPI.COMM_WORLD.Abort(1)`` makes ``mpirun`` kill every rank, including ranks blocked in a
+    collective waiting for this one, so the job ends with a non-zero exit instead of hanging.
+    Set ``HGSGC_DEBUG=1`` for the full traceback.
+
+    Returns:
+        ``fn``'s return value when it does not raise.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if os.environ.get("HGSGC_DEBUG"):
+            traceback.print_exc()
+        print(f"hgsgc: error on rank {_world_rank()}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        _abort(1)
+        raise SystemExit(1)
+
+
 def cmd_train(args) -> int:
     from hgsgc.config import ConfigError, load_config
 
@@ -45,17 +66,14 @@ def cmd_train(args) -> int:
             print(f"hgsgc: config error: {exc}", file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
+
+    def go():
         from mpi4py import MPI  # noqa: F401  (initialise MPI with thread support before horovod)
         from hgsgc.train import run
 
         run(cfg, log=lambda s: print(s, flush=True))
-    except Exception as exc:  # any rank: report and end the whole job
-        if os.environ.get("HGSGC_DEBUG"):
-            traceback.print_exc()
-        print(f"hgsgc: error on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        _abort(1)
-        return 1
+
+    run_guarded(go)
     return 0
 
 

@@ -51,6 +51,7 @@ class _HgsgcOptimizerMixin:
         self._hgsgc_exchanger = Exchanger(self._hgsgc_compression, process_set)
         self._hgsgc_anchors = None
         self._hgsgc_local_step = None
+        self._hgsgc_sync_fn = None
 
     @property
     def hgsgc_exchanger(self) -> Exchanger:
@@ -104,6 +105,28 @@ class _HgsgcOptimizerMixin:
             ops.append(a.assign(new))
         with tf.control_dependencies(ops):
             return tf.constant(True)
+
+    def hgsgc_synchronize(self, variables):
+        """Run the pending sync now if local steps were taken since the last one (delay > 1).
+
+        Call it before evaluating or saving so every rank holds the same synced weights; the
+        next sync then comes after another ``delay`` local steps. Every rank must call it (it is a
+        collective when a sync is pending; all ranks have the same local step count).
+
+        Returns:
+            True if an exchange ran.
+        """
+        if self._hgsgc_compression.delay == 1 or self._hgsgc_anchors is None:
+            return False
+        if int(self._hgsgc_local_step.numpy()) % self._hgsgc_compression.delay == 0:
+            return False
+        variables = list(variables)
+        if self._hgsgc_sync_fn is None:
+            names = _var_names(variables)
+            self._hgsgc_sync_fn = tf.function(lambda: self._hgsgc_sync(variables, names))
+        self._hgsgc_sync_fn()
+        self._hgsgc_local_step.assign(0)
+        return True
 
     def hgsgc_state(self) -> dict:
         """Serialisable hgsgc state: residuals (numpy) and, with delay, the sync anchors."""

@@ -130,6 +130,7 @@ def run(cfg, log=print) -> dict:
             losses.append(loss)
             if bar is not None:
                 bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
+        opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
         epoch_time = time.perf_counter() - epoch_t0
         total_steps += len(batches)
         after = stats.snapshot()

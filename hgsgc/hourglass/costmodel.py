@@ -1,0 +1,196 @@
+"""Cost model that picks the number of FC ranks (``hourglass.fc_workers: auto``).
+
+Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field medians:
+
+* ``t_conv``, ``t_fc``: seconds per example of the trunk's and of the head's forward + backward
+  pass (head: with the loss and the gradient with respect to the activations), timed on this
+  machine with the configured per-rank batch ``b``;
+* ``act_bytes``: bytes per example CONV -> FC (activations ``4 f`` + an int32 label 4),
+  ``grad_bytes``: bytes per example FC -> CONV (activation gradients ``4 f``);
+* ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
+  (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_sparse``/``fc_sparse``
+  (allgather instead of ring allreduce) and ``conv_delay`` (SGC communication delay H);
+* ``bandwidth``: link bandwidth in bytes per second (``hourglass.link_bandwidth_mbps * 1e6 / 8``).
+
+For ``n`` ranks and ``F`` FC ranks, ``C = n - F`` CONV ranks, an FC rank serves at most
+``m = ceil(C / F)`` CONV ranks, and one step (global batch ``C b``) has two stages::
+
+    T_conv(F) = b t_conv + b (act + grad) / bw + E_conv(C) / bw
+    T_fc(F)   = m b t_fc + m b (act + grad) / bw + E_fc(F) / bw
+    E(k)      = (k - 1) P / H            (sparse payload P, allgather, delay H)
+              = 2 (k - 1) / k * P / H    (dense, ring allreduce)
+
+With the stages pipelined the step takes ``T(F) = max(T_conv, T_fc)``; the model picks the
+``F`` in ``1 .. floor(n / 2)`` with the highest throughput ``C b / T(F)`` (examples per second;
+ties go to fewer FC ranks). Balancing the stages is the point: more FC ranks shorten
+``T_fc`` but take ranks away from the CONV stage.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import List
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """Measured and derived inputs of the cost model (see the module docstring)."""
+
+    t_conv: float
+    t_fc: float
+    batch_size: int
+    act_bytes: float
+    grad_bytes: float
+    conv_payload: float
+    fc_payload: float
+    bandwidth: float
+    conv_sparse: bool = False
+    fc_sparse: bool = False
+    conv_delay: int = 1
+
+    @staticmethod
+    def median(items: List["CostInputs"]) -> "CostInputs":
+        """Per-field median of several ranks' measurements (sizes are identical anyway)."""
+        vals = {}
+        for f in fields(CostInputs):
+            xs = sorted(getattr(i, f.name) for i in items)
+            v = xs[len(xs) // 2]
+            vals[f.name] = v
+        return CostInputs(**vals)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def exchange_bytes(k: int, payload: float, sparse: bool, delay: int = 1) -> float:
+    """Bytes one rank sends per step in an exchange among ``k`` ranks (ring model)."""
+    if k <= 1:
+        return 0.0
+    per = (k - 1) * payload if sparse else 2.0 * (k - 1) / k * payload
+    return per / delay
+
+
+def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:
+    """``T_conv``, ``T_fc`` (seconds per step), step time and throughput for one ``F``."""
+    F = fc_workers
+    C = world_size - F
+    m = math.ceil(C / F)
+    b, bw = inp.batch_size, inp.bandwidth
+    wire = inp.act_bytes + inp.grad_bytes
+    t_conv = (b * inp.t_conv + b * wire / bw
+              + exchange_bytes(C, inp.conv_payload, inp.conv_sparse, inp.conv_delay) / bw)
+    t_fc = m * b * inp.t_fc + m * b * wire / bw + exchange_bytes(F, inp.fc_payload, inp.fc_sparse) / bw
+    step = max(t_conv, t_fc)
+    return {"fc_workers": F, "conv_workers": C, "convs_per_fc": m, "T_conv_s": t_conv,
+            "T_fc_s": t_fc, "T_step_s": step, "throughput": C * b / step if step > 0 else float("inf")}
+
+
+def choose_fc_workers(inp: CostInputs, world_size: int) -> dict:
+    """Pick ``F`` with the highest modelled throughput (ties: fewer FC ranks).
+
+    Returns:
+        ``{"fc_workers": F, "inputs": {...}, "candidates": [stage_times for each F]}``.
+
+    Raises:
+        ValueError: ``world_size < 2``.
+    """
+    if world_size < 2:
+        raise ValueError(f"the Hourglass layout needs at least 2 ranks, got {world_size}")
+    cands = [stage_times(inp, world_size, F) for F in range(1, world_size // 2 + 1)]
+    best = cands[0]
+    for c in cands[1:]:
+        if c["throughput"] > best["throughput"] * (1 + 1e-9):
+            best = c
+    return {"fc_workers": best["fc_workers"], "inputs": inp.to_dict(), "candidates": cands}
+
+
+def format_report(report: dict) -> str:
+    i = report["inputs"]
+    lines = [
+        f"hourglass cost model: t_conv {i['t_conv'] * 1e6:.1f} us/example, "
+        f"t_fc {i['t_fc'] * 1e6:.1f} us/example, batch {i['batch_size']}, "
+        f"activations {i['act_bytes']:.0f} + gradients {i['grad_bytes']:.0f} B/example, "
+        f"CONV payload {i['conv_payload']:.0f} B (sparse={i['conv_sparse']}, delay={i['conv_delay']}), "
+        f"FC payload {i['fc_payload']:.0f} B (sparse={i['fc_sparse']}), "
+        f"link {i['bandwidth'] * 8 / 1e6:.0f} Mbit/s"]
+    for c in report["candidates"]:
+        lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
+                     f"T_conv {c['T_conv_s'] * 1e3:.2f} ms, T_fc {c['T_fc_s'] * 1e3:.2f} ms, "
+                     f"{c['throughput']:.0f} examples/s")
+    lines.append(f"hourglass cost model: fc_workers=auto -> {report['fc_workers']} FC ranks")
+    return "\n".join(lines)
+
+
+def payload_bytes(compression, shapes) -> int:
+    """Payload of one exchange of float32 tensors of ``shapes`` under ``compression``."""
+    from hgsgc.compression import SparseCompression, as_compression, codec
+    from hgsgc.compression.sparsify import num_selected
+
+    comp = as_compression(compression)
+    total = 0
+    for s in shapes:
+        numel = int(math.prod(s)) if len(s) else 1
+        if isinstance(comp, SparseCompression):
+            total += codec.payload_length(numel, num_selected(numel, comp.density), comp.bits)
+        else:
+            total += comp.wire_bytes_per_entry * numel
+    return total
+
+
+def measure_costs(split, batch_size: int, conv_compression, fc_compression,
+                  link_bandwidth_mbps: float, repeats: int = 3) -> CostInputs:
+    """Time the trunk and the head on random data on this rank and build :class:`CostInputs`.
+
+    One warm-up call (graph tracing) per stage, then the median of ``repeats`` timed calls.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from hgsgc.compression import SparseCompression, as_compression
+
+    trunk, head = split.trunk, split.head
+    in_shape = tuple(int(s) for s in trunk.inputs[0].shape[1:])
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((batch_size,) + in_shape, dtype=np.float32))
+    a = tf.constant(rng.standard_normal((batch_size,) + split.boundary_shape).astype(np.float32))
+    n_out = int(head.outputs[0].shape[-1])
+    y = tf.constant(rng.integers(0, n_out, batch_size).astype(np.int32))
+
+    @tf.function
+    def conv_pass(x):
+        with tf.GradientTape() as tape:
+            out = trunk(x, training=True)
+        return tape.gradient(out, trunk.trainable_variables, output_gradients=tf.ones_like(out))
+
+    @tf.function
+    def fc_pass(a, y):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
+                y, head(a, training=True), from_logits=True))
+        return tape.gradient(loss, head.trainable_variables + [a])
+
+    def timed(fn, *args):
+        fn(*args)  # trace
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            float(tf.reduce_sum(out[0]))  # wait for the result
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2] / batch_size
+
+    t_conv = timed(conv_pass, x)
+    t_fc = timed(fc_pass, a, y)
+    f = split.features
+    itemsize = np.dtype(split.boundary_dtype).itemsize
+    cc, fcc = as_compression(conv_compression), as_compression(fc_compression)
+    return CostInputs(
+        t_conv=t_conv, t_fc=t_fc, batch_size=batch_size,
+        act_bytes=float(itemsize * f + 4), grad_bytes=float(itemsize * f),
+        conv_payload=float(payload_bytes(cc, [tuple(v.shape) for v in trunk.trainable_variables])),
+        fc_payload=float(payload_bytes(fcc, [tuple(v.shape) for v in head.trainable_variables])),
+        bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0,
+        conv_sparse=isinstance(cc, SparseCompression), fc_sparse=isinstance(fcc, SparseCompression),
+        conv_delay=int(cc.delay))
