@@ -81,7 +81,7 @@ def cmd_report(args) -> int:
     from hgsgc.report import report
 
     try:
-        print(report(args.run_dir))
+        print(report(args.run_dirs, out_dir=args.out))
     except (FileNotFoundError, ValueError) as exc:
         print(f"hgsgc: report: {exc}", file=sys.stderr)
         return 2
@@ -95,8 +95,9 @@ def main(argv=None) -> int:
     t.add_argument("config", help="YAML config, e.g. configs/fashion_mnist.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
     t.set_defaults(func=cmd_train)
-    r = sub.add_parser("report", help="tables and PNG plots from a run directory")
-    r.add_argument("run_dir")
+    r = sub.add_parser("report", help="tables and PNG plots from one or more run directories")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", default=None, help="where report.md and the PNGs go (default: first RUN_DIR)")
     r.set_defaults(func=cmd_report)
     args = p.parse_args(argv)
     return args.func(args)

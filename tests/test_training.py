@@ -72,3 +72,15 @@ def test_metrics_and_saved_model(run_dir):
     d = load_fashion_mnist(test_limit=2000)
     acc = float(np.mean(np.argmax(model.predict(d.x_test, verbose=0), 1) == d.y_test))
     assert acc == pytest.approx(s["final_test_accuracy"], abs=1e-9)
+
+
+def test_report_writes_table_and_plots(run_dir, tmp_path):
+    from hgsgc.cli import main
+
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    md = (tmp_path / "report.md").read_text()
+    assert f"{s['final_test_accuracy']:.4f}" in md and f"{s['compression_ratio']:.1f}" in md
+    for png in ("accuracy.png", "loss.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", str(tmp_path / "nope")]) == 2

@@ -1,0 +1,89 @@
+"""``hgsgc report RUN_DIR [RUN_DIR ...]``: Markdown tables and PNG plots from finished runs.
+
+Reads each run's ``summary.json`` and ``metrics.jsonl``; writes ``report.md``,
+``accuracy.png`` (test accuracy per epoch) and ``loss.png`` (train/test loss per epoch) into the
+first run directory (or ``out_dir``) and returns the Markdown. Several runs are compared in one
+table and on the same axes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+
+def _load(run_dir: str):
+    sp = os.path.join(run_dir, "summary.json")
+    mp = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(sp):
+        raise FileNotFoundError(f"{sp} not found: is {run_dir} a finished run directory (runs/<id>)?")
+    with open(sp) as f:
+        summary = json.load(f)
+    metrics = []
+    if os.path.exists(mp):
+        with open(mp) as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    return summary, metrics
+
+
+def _label(summary) -> str:
+    c = summary.get("compression", {})
+    m = c.get("method", "?")
+    if m in ("topk", "sgc"):
+        m += f" d={c.get('density')} b={c.get('bits')} H={c.get('delay')}"
+    return f"{summary.get('run_id', '?')} ({summary.get('layout', '?')}, {m})"
+
+
+def report(run_dirs, out_dir: Optional[str] = None) -> str:
+    """Build the report for one or more run directories.
+
+    Returns:
+        the Markdown text (also written to ``<out_dir>/report.md``).
+
+    Raises:
+        FileNotFoundError: a run directory has no ``summary.json``.
+    """
+    if isinstance(run_dirs, str):
+        run_dirs = [run_dirs]
+    runs = [(d, *_load(d)) for d in run_dirs]
+    out_dir = out_dir or run_dirs[0]
+    lines: List[str] = ["# hgsgc report", "",
+                        "| run | world | test acc | test loss | mean step (ms) | sent/step/rank (kB) | "
+                        "dense/step/rank (kB) | compression ratio | wall (s) |",
+                        "|---|---|---|---|---|---|---|---|---|"]
+    for _, s, _ in runs:
+        lines.append(
+            f"| {_label(s)} | {s['world_size']} | {s['final_test_accuracy']:.4f} | "
+            f"{s['final_test_loss']:.4f} | {s['mean_step_time_s'] * 1e3:.1f} | "
+            f"{s['bytes_sent_per_step_per_rank'] / 1e3:.1f} | {s['dense_bytes_per_step_per_rank'] / 1e3:.1f} | "
+            f"{s['compression_ratio']:.1f} | {s['wall_time_s']:.1f} |")
+    for _, s, m in runs:
+        lines += ["", f"## {_label(s)}", "", "| epoch | train loss | test loss | test acc | epoch time (s) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['epoch']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} | "
+                  f"{r['test_accuracy']:.4f} | {r['epoch_time_s']:.1f} |" for r in m]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for fname, keys, ylabel in (("accuracy.png", ["test_accuracy"], "test accuracy"),
+                                ("loss.png", ["train_loss", "test_loss"], "loss")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for _, s, m in runs:
+            for k in keys:
+                ax.plot([r["epoch"] for r in m], [r[k] for r in m], marker="o",
+                        label=f"{_label(s)} {k if len(keys) > 1 else ''}".strip())
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, fname), dpi=100)
+        plt.close(fig)
+    lines += ["", "Plots: accuracy.png, loss.png"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(text)
+    return text
