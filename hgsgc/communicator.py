@@ -13,7 +13,10 @@ Bytes per rank per exchange (``d`` entries, ``n`` ranks, ``P`` the rank's payloa
 ring model of DESIGN.md:
 
 * dense: payload ``w d`` (w = 4 fp32, 2 fp16); sent = received = ``2 (n - 1) / n * w d``;
-* allgather: sent = received = ``(n - 1) P`` (every rank's payload crosses every other link).
+* allgather: sent = received = ``(n - 1) P`` (every rank's payload crosses every other link);
+* tree / node (``hierarchy=``, :mod:`hgsgc.hierarchy`): top-k reduction in
+  ``ceil(log2 n) + [n not a power of two]`` rounds of one payload per message; the busiest rank
+  moves ``(floor(log2 n) + 2) P``; see :mod:`hgsgc.hierarchy` for the per-rank formulas.
 
 Counts are Python integers fixed when the exchange is built (payload lengths depend only on
 shapes, density and bits) and are added to :class:`CommStats` variables each time the exchange
@@ -27,12 +30,13 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hgsgc import hierarchy as hier
 from hgsgc.compression import DenseCompression, SparseCompression, as_compression, codec
 from hgsgc.compression.memory import ResidualMemory
 from hgsgc.compression.sparsify import exact_topk, num_selected, sampled_threshold_topk
 
 STAT_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
-             "dense_bytes", "messages")
+             "dense_bytes", "messages", "rounds")
 
 
 class CommStats:
@@ -42,7 +46,10 @@ class CommStats:
     exchanged; ``payload_bytes``: the rank's own encoded payload; ``bytes_sent`` /
     ``bytes_received``: what crosses the rank's link under the collective's ring model;
     ``dense_bytes``: what fp32 ring allreduce would send, 2 (n - 1) / n * 4 d; ``messages``:
-    collective calls issued.
+    collective calls issued (dense, allgather: 1 per exchange) or, for ``hierarchy="tree"`` /
+    ``"node"``, point-to-point payloads the rank sent; ``rounds``: communication rounds on the
+    critical path under the algorithm's model (dense ring allreduce ``2 (n - 1)``, allgather
+    ``ceil(log2 n)`` (Bruck), tree / node: the rounds of the schedule).
     """
 
     def __init__(self):
@@ -75,19 +82,29 @@ class Exchanger:
         process_set: Horovod process set (default: all ranks).
         memory: error-feedback memory (a new one if None); residuals are keyed by name.
         stats: byte counters (a new :class:`CommStats` if None).
+        node_sizes: ``hierarchy="node"`` only: host sizes overriding MPI's shared-memory split
+            (an int: hosts of that many consecutive ranks; a list: explicit sizes); default
+            ``$HGSGC_RANKS_PER_NODE`` if set, else the MPI split (a collective over the process
+            set at the first exchange).
 
     Raises:
         TypeError: unsupported ``compression``.
     """
 
+    _instances = 0  # names of the tree/node rounds' Horovod ops: same order on every rank
+
     def __init__(self, compression=None, process_set=None, memory: Optional[ResidualMemory] = None,
-                 stats: Optional[CommStats] = None):
+                 stats: Optional[CommStats] = None, node_sizes=None):
         self.compression = as_compression(compression if compression is not None
                                           else DenseCompression("none"))
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.memory = memory if memory is not None else ResidualMemory()
         self.stats = stats if stats is not None else CommStats()
         self._seed_step = None
+        self.node_sizes = node_sizes
+        self._plan = None
+        self._uid = Exchanger._instances
+        Exchanger._instances += 1
 
     @property
     def size(self) -> int:
@@ -96,6 +113,54 @@ class Exchanger:
         if ps is hvd.global_process_set or getattr(ps, "process_set_id", 0) == 0:
             return hvd.size()
         return len(ps.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the process set."""
+        ps = self.process_set
+        if ps is hvd.global_process_set or getattr(ps, "process_set_id", 0) == 0:
+            return hvd.rank()
+        return list(ps.ranks).index(hvd.rank())
+
+    @property
+    def hierarchy(self) -> str:
+        comp = self.compression
+        return comp.hierarchy if isinstance(comp, SparseCompression) else "allgather"
+
+    def plan(self) -> Optional["hier.Plan"]:
+        """The tree / node schedule (built once; ``None`` for the allgather and dense exchanges).
+
+        For ``hierarchy="node"`` the first call discovers the hosts (a collective over the
+        process set unless ``node_sizes`` / ``$HGSGC_RANKS_PER_NODE`` is given).
+        """
+        if self._plan is None and self.hierarchy in hier.HIERARCHICAL:
+            n = self.size
+            if self.hierarchy == "tree":
+                self._plan = hier.tree_plan(n)
+            else:
+                ps = self.process_set
+                world = (list(range(hvd.size())) if ps is hvd.global_process_set
+                         or getattr(ps, "process_set_id", 0) == 0 else list(ps.ranks))
+                self._plan = hier.node_plan(hier.discover_hosts(world, self.node_sizes))
+        return self._plan
+
+    def costs(self, shapes: Sequence[Sequence[int]]) -> dict:
+        """This rank's closed-form cost of one sparse exchange of float32 ``shapes``.
+
+        Returns:
+            ``{"bytes_sent", "bytes_received", "messages", "rounds", "inter_bytes_sent",
+            "inter_bytes_received", "payload_bytes"}`` from the formulas of
+            :mod:`hgsgc.hierarchy` (``inter_*``: between hosts, for ``hierarchy="node"``).
+        """
+        P, n, h = self.payload_bytes(shapes), self.size, self.hierarchy
+        if h == "tree":
+            out = hier.tree_cost(n, self.rank, P)
+        elif h == "node":
+            out = hier.node_cost(self.plan().hosts, self.rank, P)
+        else:
+            out = hier.allgather_cost(n, P)
+        out["payload_bytes"] = P
+        return out
 
     # ----------------------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert  # plain graph code: nothing for AutoGraph to do
@@ -152,7 +217,8 @@ class Exchanger:
         with tf.control_dependencies(result):
             upd = self.stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=payload,
                                  bytes_sent=wire, bytes_received=wire,
-                                 dense_bytes=_ring_allreduce_bytes(n, 4 * d), messages=1)
+                                 dense_bytes=_ring_allreduce_bytes(n, 4 * d), messages=1,
+                                 rounds=2 * (n - 1))
         with tf.control_dependencies([upd]):
             return [tf.identity(r) for r in result]
 
@@ -167,6 +233,10 @@ class Exchanger:
     def _sparse(self, tensors, names):
         comp: SparseCompression = self.compression
         n = self.size
+        if comp.hierarchy in hier.HIERARCHICAL:
+            return hier.exchange(tensors, names, compression=comp, memory=self.memory,
+                                 stats=self.stats, process_set=self.process_set, rank=self.rank,
+                                 n=n, plan=self.plan(), select=self._select, uid=self._uid)
         specs, payloads, updates = [], [], []
         for t, name in zip(tensors, names):
             numel = int(t.shape.num_elements())
@@ -189,7 +259,7 @@ class Exchanger:
         wire = (n - 1) * P
         upd = self.stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=P, bytes_sent=wire,
                              bytes_received=wire, dense_bytes=_ring_allreduce_bytes(n, 4 * d),
-                             messages=1)
+                             messages=1, rounds=hier.allgather_rounds(n))
         results, off = [], 0
         for t, (numel, k, p) in zip(tensors, specs):
             dense = []

@@ -64,7 +64,7 @@ class CompressionConfig:
     bits: int = 2
     delay: int = 1
     hierarchy: str = "allgather"
-    selector: str = "exact"
+    selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
     error_feedback: bool = True
 
 

@@ -1,0 +1,324 @@
+"""The Hourglass main job: Fashion-MNIST with CONV ranks (trunk + SGC) and FC ranks (head).
+
+Every rank runs :func:`run`. Rank 0 (always a CONV rank) prints progress and writes
+``runs/<id>/metrics.jsonl`` (one JSON line per epoch), ``runs/<id>/summary.json`` and
+``runs/<id>/model.keras`` (one ordinary Keras model: trunk from CONV rank 0, head from the first
+FC rank). The summary has the keys of the data-parallel job (``hgsgc.train``) plus per-role
+figures under ``roles`` and the layout under ``hourglass``; the per-rank keys are means over all
+ranks (see docs/hourglass.md, "Accounting").
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+
+def fc_compression_from_config(cfg):
+    """Compression among FC ranks: ``hourglass.fc_method`` (none | fp16 | topk | sgc).
+
+    ``topk``/``sgc`` take density, bits, selector and error feedback from the ``compression``
+    section; the FC exchange always runs every step (delay 1).
+    """
+    from hgsgc.compression import Compression, DenseCompression
+
+    c, m = cfg.compression, cfg.hourglass.fc_method
+    if m in ("none", "fp16"):
+        return DenseCompression(m)
+    if m == "topk":
+        return Compression.topk(c.density, bits=c.bits, selector=c.selector, error_feedback=c.error_feedback)
+    return Compression.sgc(c.density, bits=c.bits, delay=1, hierarchy=c.hierarchy,
+                           selector=c.selector, error_feedback=c.error_feedback)
+
+
+def _ring(n, nbytes):
+    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
+
+
+def role_figures(snaps, layout, d_role, steps, compression) -> dict:
+    """Per-role bytes per step per rank from every rank's snapshot difference.
+
+    Args:
+        snaps: list indexed by world rank of :meth:`HourglassTrainer.snapshot` differences.
+        d_role: ``{"conv": d_conv, "fc": d_fc}`` parameters of each role.
+        steps: training steps the differences cover.
+        compression: ``{"conv": settings dict, "fc": settings dict}``.
+    """
+    steps = max(1, steps)
+    plan = layout.plan
+    out = {}
+    for role, ranks in (("conv", plan.conv_ranks), ("fc", plan.fc_ranks)):
+        per_rank = []
+        for r in ranks:
+            s = snaps[r]
+            per_rank.append({
+                "rank": r,
+                "activation_bytes_sent": (s["activation_bytes_sent"] + s["label_bytes_sent"]) / steps,
+                "activation_bytes_received": (s["activation_bytes_received"] + s["label_bytes_received"]) / steps,
+                "activation_grad_bytes_sent": s["activation_grad_bytes_sent"] / steps,
+                "activation_grad_bytes_received": s["activation_grad_bytes_received"] / steps,
+                "payload_bytes": s["exchange_payload_bytes"] / steps,
+                "exchange_bytes_sent": s["exchange_bytes_sent"] / steps,
+                "exchange_bytes_received": s["exchange_bytes_received"] / steps,
+                "bytes_sent": s["bytes_sent"] / steps,
+                "bytes_received": s["bytes_received"] / steps,
+                "exchanges": s["exchange_exchanges"],
+            })
+        mean = {k: float(np.mean([p[k] for p in per_rank])) for k in per_rank[0] if k != "rank"}
+        grad_bytes = 4 * d_role[role]
+        payload = mean["payload_bytes"]
+        fig = {
+            "ranks": list(ranks),
+            "parameters": d_role[role],
+            "compression": compression[role],
+            "gradient_bytes": grad_bytes,
+            # activations: float32 A plus int32 labels (CONV -> FC); gradients: dL/dA (FC -> CONV)
+            "activation_bytes_sent_per_step_per_rank": mean["activation_bytes_sent"],
+            "activation_bytes_received_per_step_per_rank": mean["activation_bytes_received"],
+            "activation_grad_bytes_sent_per_step_per_rank": mean["activation_grad_bytes_sent"],
+            "activation_grad_bytes_received_per_step_per_rank": mean["activation_grad_bytes_received"],
+            "payload_bytes_per_step_per_rank": payload,
+            "exchange_bytes_sent_per_step_per_rank": mean["exchange_bytes_sent"],
+            "exchange_bytes_received_per_step_per_rank": mean["exchange_bytes_received"],
+            "bytes_sent_per_step_per_rank": mean["bytes_sent"],
+            "bytes_received_per_step_per_rank": mean["bytes_received"],
+            "dense_bytes_per_step_per_rank": _ring(len(ranks), grad_bytes),
+            "compression_ratio": grad_bytes / payload if payload else float("inf"),
+            "exchanges": int(max(p["exchanges"] for p in per_rank)),
+            "per_rank": per_rank,
+        }
+        out[role] = fig
+    return out
+
+
+def _totals(roles, size, d):
+    """Cluster-wide keys of the data-parallel summary, as means over all ranks."""
+    n_conv, n_fc = len(roles["conv"]["ranks"]), len(roles["fc"]["ranks"])
+
+    def mean(key):
+        return (roles["conv"][key] * n_conv + roles["fc"][key] * n_fc) / size
+
+    grad = mean("gradient_bytes")
+    payload = mean("payload_bytes_per_step_per_rank")
+    sent = mean("bytes_sent_per_step_per_rank")
+    return {
+        "gradient_bytes": grad,
+        "payload_bytes_per_step_per_rank": payload,
+        "bytes_sent_per_step_per_rank": sent,
+        "bytes_received_per_step_per_rank": mean("bytes_received_per_step_per_rank"),
+        # the data-parallel dense baseline: fp32 ring allreduce of the whole model on every rank
+        "dense_bytes_per_step_per_rank": _ring(size, 4 * d),
+        "compression_ratio": grad / payload if payload else float("inf"),
+        "total_bytes_sent_per_step": sent * size,
+        "dense_total_bytes_sent_per_step": _ring(size, 4 * d) * size,
+    }
+
+
+def run(cfg, log=print) -> dict:
+    """Train and evaluate with the Hourglass layout; returns the summary (same on every rank).
+
+    Raises:
+        hgsgc.hourglass.LayoutError: impossible layout (every rank, before any collective).
+        hgsgc.hourglass.SplitError: the model has no conv/FC boundary (every rank, before any
+            collective).
+        hgsgc.data.DataError: data files missing or malformed.
+        ValueError: batch size too large for the data.
+    """
+    from mpi4py import MPI
+
+    from hgsgc.hourglass.layout import check_fc_workers
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    is_root = rank == 0
+    check_fc_workers(size, cfg.hourglass.fc_workers)  # sizes only: same verdict on every rank
+
+    from hgsgc.train import _setup_threads, _Warmup
+
+    threads = _setup_threads(cfg.train.threads)
+    import tensorflow as tf
+
+    from hgsgc import config as config_mod
+    from hgsgc.data import epoch_batches, load_fashion_mnist, shard
+    from hgsgc.hourglass.costmodel import measure_costs
+    from hgsgc.hourglass.layout import Layout
+    from hgsgc.hourglass.split import split_model
+    from hgsgc.hourglass.step import HourglassTrainer
+    from hgsgc.models import build_model
+
+    compression = config_mod.compression_from_config(cfg.compression)
+    fc_compression = fc_compression_from_config(cfg)
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
+    data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
+    b = cfg.train.batch_size
+
+    cost = None
+    if cfg.hourglass.fc_workers == "auto":
+        cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
+                                     cfg.hourglass.link_bandwidth_mbps)
+    layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
+    C, F = layout.n_conv, layout.n_fc
+    steps_per_epoch = len(data.x_train) // (C * b)
+    if steps_per_epoch < 1:
+        raise ValueError(f"train.batch_size={b} x {C} CONV ranks exceeds the {len(data.x_train)} "
+                         f"training images: lower train.batch_size")
+    if cfg.train.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps_per_epoch)
+
+    lr = cfg.train.lr
+    if cfg.train.warmup_steps:
+        lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
+    opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
+    trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
+                               fc_compression=fc_compression)
+
+    d_conv = sum(int(np.prod(v.shape)) for v in split.trunk_variables)
+    d_fc = sum(int(np.prod(v.shape)) for v in split.head_variables)
+    d = d_conv + d_fc
+    run_id = cfg.run.id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    run_id = world.bcast(run_id, root=0)  # same directory even if the clock ticks between ranks
+    run_dir = os.path.join(cfg.run.out_dir, run_id)
+    if is_root:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_mod.to_dict(cfg), f, indent=2)
+        log(f"hgsgc: {size} ranks, {threads} TF threads each, model {cfg.model.name} "
+            f"({d:,} parameters: {d_conv:,} CONV, {d_fc:,} FC, split at {split.boundary_layer!r}, "
+            f"activations {split.boundary_shape}), {steps_per_epoch} steps/epoch x "
+            f"{cfg.train.epochs} epochs, run dir {run_dir}")
+        log(layout.describe())
+        log(f"hgsgc: CONV compression {compression.to_dict()}, FC compression {fc_compression.to_dict()}")
+
+    conv_idx = layout.role_index if layout.is_conv else None
+    comp_dicts = {"conv": compression.to_dict(), "fc": fc_compression.to_dict()}
+    d_role = {"conv": d_conv, "fc": d_fc}
+    if layout.is_conv:
+        test_idx = shard(len(data.x_test), conv_idx, C)
+        x_eval, y_eval = data.x_test[test_idx], data.y_test[test_idx]
+    else:
+        x_eval = y_eval = None
+
+    t_start = time.perf_counter()
+    step_times, history, total_steps = [], [], 0
+    first_step_time = None
+    start_snap = trainer.snapshot()
+    metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w") if is_root else None
+    for epoch in range(cfg.train.epochs):
+        if layout.is_conv:
+            batches = epoch_batches(len(data.x_train), b, conv_idx, C, epoch, cfg.run.seed)[:steps_per_epoch]
+        else:
+            batches = [None] * steps_per_epoch
+        before = trainer.snapshot()
+        bar = None
+        if is_root and cfg.train.progress:
+            bar = tf.keras.utils.Progbar(steps_per_epoch, unit_name="step")
+        epoch_t0 = time.perf_counter()
+        for i, bi in enumerate(batches):
+            t0 = time.perf_counter()
+            if bi is None:
+                trainer.train_step()
+            else:
+                trainer.train_step(data.x_train[bi], data.y_train[bi])
+            if first_step_time is None:  # graph tracing: reported apart, not in the mean
+                first_step_time = time.perf_counter() - t0
+            else:
+                step_times.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(i + 1)
+        epoch_time = time.perf_counter() - epoch_t0
+        total_steps += len(batches)
+        after = trainer.snapshot()
+        diff = {k: after[k] - before[k] for k in after}
+        train_loss = trainer.train_loss()
+        test_loss, test_acc = trainer.evaluate(x_eval, y_eval)
+        snaps = layout.p2p.allgather(diff)
+        roles = role_figures(snaps, layout, d_role, len(batches), comp_dicts)
+        n_steps = max(1, len(batches))
+        rec = {
+            "epoch": epoch + 1,
+            "steps": len(batches),
+            "train_loss": train_loss,
+            "test_loss": test_loss,
+            "test_accuracy": test_acc,
+            "epoch_time_s": epoch_time,
+            "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
+            **_totals(roles, size, d),
+            "exchanges": roles["conv"]["exchanges"],
+            "roles": roles,
+        }
+        history.append(rec)
+        if is_root:
+            metrics_f.write(json.dumps(rec) + "\n")
+            metrics_f.flush()
+            log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {train_loss:.4f} "
+                f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
+                f"step {rec['mean_step_time_s'] * 1e3:.1f} ms; per step per rank sent: "
+                f"CONV {roles['conv']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
+                f"FC {roles['fc']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB; "
+                f"all ranks {rec['total_bytes_sent_per_step'] / 1e3:.1f} kB/step "
+                f"(dense data-parallel {rec['dense_total_bytes_sent_per_step'] / 1e3:.1f} kB)")
+    wall = time.perf_counter() - t_start
+    if metrics_f:
+        metrics_f.close()
+
+    end_snap = trainer.snapshot()
+    tot = {k: end_snap[k] - start_snap[k] for k in end_snap}
+    snaps = layout.p2p.allgather(tot)
+    roles = role_figures(snaps, layout, d_role, total_steps, comp_dicts)
+    step_times_root = layout.p2p.bcast(step_times, root=0)
+    last = history[-1]
+    summary = {
+        "run_id": run_id,
+        "final_test_accuracy": last["test_accuracy"],
+        "final_test_loss": last["test_loss"],
+        "final_train_loss": last["train_loss"],
+        "epochs": cfg.train.epochs,
+        "steps": total_steps,
+        "world_size": size,
+        "layout": "hourglass",
+        "model": cfg.model.name,
+        "parameters": d,
+        "compression": compression.to_dict(),
+        "mean_step_time_s": float(np.mean(step_times_root)) if step_times_root else 0.0,
+        "first_step_time_s": layout.p2p.bcast(first_step_time, root=0),
+        "wall_time_s": layout.p2p.bcast(wall, root=0),
+        **_totals(roles, size, d),
+        "exchanges": roles["conv"]["exchanges"],
+        "seed": cfg.run.seed,
+        "batch_size_per_rank": b,
+        "global_batch_size": C * b,
+        "roles": roles,
+        "hourglass": {
+            "conv_workers": C,
+            "fc_workers": F,
+            "fc_workers_setting": cfg.hourglass.fc_workers,
+            "conv_ranks": layout.plan.conv_ranks,
+            "fc_ranks": layout.plan.fc_ranks,
+            "fc_of": {str(k): v for k, v in layout.plan.fc_of.items()},
+            "split_layer": split.boundary_layer,
+            "boundary_shape": list(split.boundary_shape),
+            "conv_parameters": d_conv,
+            "fc_parameters": d_fc,
+            "fc_compression": fc_compression.to_dict(),
+            "cost_model": layout.cost_report,
+        },
+    }
+    full = trainer.assemble_model(root=0)
+    if is_root:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        full.save(os.path.join(run_dir, "model.keras"))
+        log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}; per step per rank "
+            f"sent: CONV {roles['conv']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
+            f"(activations {roles['conv']['activation_bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
+            f"gradient payload {roles['conv']['payload_bytes_per_step_per_rank'] / 1e3:.1f} kB), "
+            f"FC {roles['fc']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
+            f"(activation gradients {roles['fc']['activation_grad_bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
+            f"gradient payload {roles['fc']['payload_bytes_per_step_per_rank'] / 1e3:.1f} kB); "
+            f"summary: {os.path.join(run_dir, 'summary.json')}")
+    layout.p2p.Barrier()  # the model file exists when run() returns on any rank
+    return summary
