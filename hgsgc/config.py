@@ -66,6 +66,7 @@ class CompressionConfig:
     hierarchy: str = "allgather"
     selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
     error_feedback: bool = True
+    momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
 
 
 @dataclass
@@ -158,6 +159,8 @@ def validate(cfg: Config) -> None:
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
+    if c.momentum_correction and (c.method not in ("topk", "sgc") or c.delay != 1):
+        bad("compression.momentum_correction", True, "needs method topk or sgc with delay=1")
     if c.selector not in ("exact", "sampled"):
         bad("compression.selector", c.selector, "use exact or sampled")
     if t.epochs < 1:
@@ -199,7 +202,8 @@ def compression_from_config(c: CompressionConfig):
         return Compression.topk(c.density, bits=c.bits, selector=c.selector,
                                 error_feedback=c.error_feedback)
     return Compression.sgc(c.density, bits=c.bits, delay=c.delay, hierarchy=c.hierarchy,
-                           selector=c.selector, error_feedback=c.error_feedback)
+                           selector=c.selector, error_feedback=c.error_feedback,
+                           momentum_correction=c.momentum_correction)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -46,8 +46,10 @@ def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, 
 class _HgsgcOptimizerMixin:
     """Methods mixed into the wrapped Keras legacy optimizer class."""
 
-    def _hgsgc_setup(self, compression, process_set):
+    def _hgsgc_setup(self, compression, process_set, correction_momentum=0.0):
         self._hgsgc_compression = as_compression(compression)
+        self._hgsgc_mc_momentum = float(correction_momentum)
+        self._hgsgc_velocity = {}
         self._hgsgc_exchanger = Exchanger(self._hgsgc_compression, process_set)
         self._hgsgc_anchors = None
         self._hgsgc_local_step = None
@@ -69,7 +71,11 @@ class _HgsgcOptimizerMixin:
         names = _var_names(variables)
         delay = self._hgsgc_compression.delay
         if delay == 1:
-            avg = self._hgsgc_exchanger.exchange([g for g, _ in grads_and_vars], names)
+            grads = [g for g, _ in grads_and_vars]
+            if getattr(self._hgsgc_compression, "momentum_correction", False):
+                avg = self._hgsgc_corrected_exchange(grads, names)
+            else:
+                avg = self._hgsgc_exchanger.exchange(grads, names)
             pairs = [(g, v) for g, (_, v) in zip(avg, grads_and_vars) if g is not None]
             return super().apply_gradients(pairs, name=name,
                                            experimental_aggregate_gradients=experimental_aggregate_gradients)
@@ -82,6 +88,44 @@ class _HgsgcOptimizerMixin:
             tf.cond(tf.equal(step % delay, 0), lambda: self._hgsgc_sync(variables, names),
                     lambda: tf.constant(False))
         return op
+
+    def _hgsgc_corrected_exchange(self, grads, names):
+        """DGC momentum correction + momentum factor masking around the exchange."""
+        m = self._hgsgc_mc_momentum
+        mem = self._hgsgc_exchanger.memory
+        us, r_old = [], []
+        for g, name in zip(grads, names):
+            if g is None:
+                us.append(None)
+                r_old.append(None)
+                continue
+            g = tf.convert_to_tensor(g)
+            if name not in self._hgsgc_velocity:
+                with tf.init_scope():
+                    self._hgsgc_velocity[name] = tf.Variable(
+                        tf.zeros(g.shape, tf.float32), trainable=False,
+                        name="hgsgc_velocity/" + name.replace(":", "_"))
+            u = m * self._hgsgc_velocity[name] + tf.cast(g, tf.float32)
+            us.append(u)
+            # the Exchanger keeps residuals flat ([numel])
+            r_old.append(tf.identity(mem.residual(name, [g.shape.num_elements()]))
+                         if g.dtype.is_floating and g.shape.num_elements() else None)
+        avg = self._hgsgc_exchanger.exchange(us, names)
+        ops = []
+        with tf.control_dependencies([a for a in avg if a is not None]):
+            for u, r0, name in zip(us, r_old, names):
+                if u is None:
+                    continue
+                if r0 is None or name not in mem.names():
+                    ops.append(self._hgsgc_velocity[name].assign(u))
+                    continue
+                # sent = (u + r_old) - r_new, exactly 0 where nothing was sent (same float ops)
+                flat = tf.reshape(u, [-1])
+                sent = (flat + r0) - mem.residual(name, flat.shape)
+                kept = tf.reshape(tf.where(tf.equal(sent, 0.0), flat, 0.0), u.shape)
+                ops.append(self._hgsgc_velocity[name].assign(kept))
+        with tf.control_dependencies(ops):
+            return [None if a is None else tf.identity(a) for a in avg]
 
     def _hgsgc_build_delay(self, variables):
         if self._hgsgc_anchors is None:
@@ -182,8 +226,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
+    correction_momentum = 0.0
+    if getattr(comp, "momentum_correction", False):
+        if "momentum" not in config:
+            raise ValueError(f"momentum_correction needs an optimizer with momentum; "
+                             f"{base.__name__} has none: use tf.keras.optimizers.legacy.SGD(momentum=...)")
+        correction_momentum = float(config["momentum"])
+        config["momentum"] = 0.0  # momentum moves before sparsification (DGC)
+        if "nesterov" in config and config["nesterov"]:
+            raise ValueError("momentum_correction implements plain momentum: set nesterov=False")
     new = cls.from_config(config)
-    new._hgsgc_setup(comp, process_set)
+    new._hgsgc_setup(comp, process_set, correction_momentum)
     return new
 
 

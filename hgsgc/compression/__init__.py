@@ -67,6 +67,11 @@ class SparseCompression:
         hierarchy: how payloads are exchanged; ``"allgather"`` (flat, (n - 1) p bytes per rank).
         selector: ``"exact"`` top-k or ``"sampled"`` threshold (Deep Gradient Compression).
         error_feedback: keep what was not sent in a residual (True) or drop it (False).
+        momentum_correction: Deep Gradient Compression's momentum correction and momentum factor
+            masking (Lin et al. 2018, Sec. 3.2): the wrapped optimizer's momentum m is applied
+            locally before sparsification (u = m u + g), u is compressed with error feedback, the
+            entries that were sent are cleared from u, and the averaged update is applied with
+            momentum 0. Needs delay = 1 and an optimizer with a ``momentum`` hyperparameter.
         method: the name reported in summaries (``"topk"`` or ``"sgc"``).
     """
 
@@ -77,6 +82,7 @@ class SparseCompression:
     selector: str = "exact"
     error_feedback: bool = True
     method: str = "sgc"
+    momentum_correction: bool = False
 
     def __post_init__(self):
         try:
@@ -90,6 +96,9 @@ class SparseCompression:
         _check_delay(self.delay)
         if self.hierarchy not in HIERARCHIES:
             raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
+        if self.momentum_correction and self.delay != 1:
+            raise ValueError("momentum_correction needs delay=1: with delay > 1 the optimizer's "
+                             "own momentum runs the local steps")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
 
@@ -127,9 +136,11 @@ class Compression:
 
     @staticmethod
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
-            selector: str = "sampled", error_feedback: bool = True) -> SparseCompression:
+            selector: str = "sampled", error_feedback: bool = True,
+            momentum_correction: bool = False) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
-                                 selector=selector, error_feedback=error_feedback, method="sgc")
+                                 selector=selector, error_feedback=error_feedback, method="sgc",
+                                 momentum_correction=momentum_correction)
 
     @staticmethod
     def localsgd(delay: int) -> DenseCompression:
