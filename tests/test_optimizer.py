@@ -1,0 +1,111 @@
+"""Single-process tests of DistributedOptimizer / DistributedGradientTape (Horovod size 1)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference as ref
+
+hvd = pytest.importorskip("horovod.tensorflow")
+hvd.init()
+import hgsgc  # noqa: E402
+
+
+def _run(opt, grads_seq, w0):
+    v = tf.Variable(w0)
+    for g in grads_seq:
+        opt.apply_gradients([(tf.constant(g), v)])
+    return v.numpy()
+
+
+def test_none_equals_plain_sgd():
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(50).astype(np.float32)
+    gs = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
+    plain = _run(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9), gs, w0)
+    ours = _run(hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)), gs, w0)
+    np.testing.assert_allclose(ours, plain, rtol=1e-6)
+
+
+def test_topk_error_feedback_matches_numpy():
+    """Top-k (fp32) + error feedback + plain SGD on one rank against a numpy reference."""
+    rng = np.random.default_rng(1)
+    n, k, lr = 40, 4, 0.1
+    w0 = rng.standard_normal(n).astype(np.float32)
+    gs = [rng.standard_normal(n).astype(np.float32) for _ in range(5)]
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(lr),
+                                      compression=hgsgc.Compression.topk(k / n))
+    got = _run(opt, gs, w0)
+    w, r = w0.copy(), np.zeros(n, np.float32)
+    for g in gs:
+        a = g + r
+        idx = ref.topk_indices(a, k)
+        sent = np.zeros(n, np.float32)
+        sent[idx] = a[idx]
+        r = a - sent
+        w = w - lr * sent
+    np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(opt.hgsgc_state()["residuals"][opt.hgsgc_exchanger.memory.names()[0]], r,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_momentum_correction_matches_dgc_reference():
+    """DGC (Lin et al. 2018, Alg. 1 with momentum correction and factor masking) on one rank."""
+    rng = np.random.default_rng(2)
+    n, k, lr, m = 30, 3, 0.05, 0.9
+    w0 = rng.standard_normal(n).astype(np.float32)
+    gs = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+    opt = hgsgc.DistributedOptimizer(
+        tf.keras.optimizers.legacy.SGD(lr, momentum=m),
+        compression=hgsgc.Compression.sgc(k / n, bits=32, momentum_correction=True))
+    assert opt.get_config()["momentum"] == 0.0          # momentum moved before sparsification
+    got = _run(opt, gs, w0)
+    w, u, v = w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for g in gs:
+        u = m * u + g
+        a = v + u
+        idx = ref.topk_indices(a, k)
+        sent = np.zeros(n, np.float32)
+        sent[idx] = a[idx]
+        v = a - sent
+        u[idx] = 0.0                                     # momentum factor masking
+        w = w - lr * sent
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="legacy"):
+        hgsgc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="op must be"):
+        hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1), op=hvd.Sum)
+    with pytest.raises(ValueError, match="momentum"):
+        hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.Adam(0.1),
+                                   compression=hgsgc.Compression.sgc(0.1, momentum_correction=True))
+    with pytest.raises(ValueError, match="delay"):
+        hgsgc.Compression.sgc(0.1, delay=2, momentum_correction=True)
+    with pytest.raises(TypeError, match="compression"):
+        hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1), compression="fast")
+    with pytest.raises(ValueError, match="delay"):
+        with tf.GradientTape() as tape:
+            pass
+        hgsgc.DistributedGradientTape(tape, compression=hgsgc.Compression.sgc(0.1, delay=2))
+
+
+def test_horovod_compression_objects_accepted():
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1), compression=hvd.Compression.fp16)
+    assert opt.hgsgc_exchanger.compression == hgsgc.Compression.fp16
+
+
+def test_delay_state_round_trip():
+    rng = np.random.default_rng(3)
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                      compression=hgsgc.Compression.sgc(0.2, delay=3))
+    v = tf.Variable(rng.standard_normal(20).astype(np.float32))
+    for _ in range(4):
+        opt.apply_gradients([(tf.constant(rng.standard_normal(20).astype(np.float32)), v)])
+    st = opt.hgsgc_state()
+    assert st["local_step"] == 4 and len(st["anchors"]) == 1 and len(st["residuals"]) == 1
+    assert opt.hgsgc_synchronize([v]) is True           # the pending sync (4 % 3 != 0) runs
+    np.testing.assert_array_equal(opt.hgsgc_state()["anchors"][0], v.numpy())
+    assert opt.hgsgc_synchronize([v]) is False          # nothing pending any more
