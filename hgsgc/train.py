@@ -117,7 +117,9 @@ def run(cfg, log=print) -> dict:
         before = stats.snapshot()
         bar = None
         if is_root and cfg.train.progress:
-            bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step")
+            # not a terminal (log file, CI): a line every 15 s instead of every 0.05 s
+            bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step",
+                                         interval=0.05 if sys.stdout.isatty() else 15.0)
         losses = []
         epoch_t0 = time.perf_counter()
         for i, b in enumerate(batches):
