@@ -57,7 +57,7 @@ sw_ns() { echo "$1-sw"; }
 
 # namespaces / root-namespace links that belong to prefix $1 (exact pattern, so "hgc" never
 # matches another prefix such as "hgct1")
-our_netns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$1-(h[0-9]+|sw|probe)\$" || true; }
+our_netns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$1-(h[0-9]+|sw)\$" || true; }
 our_root_links() {
   ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' \
     | grep -E "^$1-(e[0-9]+|p[0-9]+|br0)\$" || true
@@ -163,7 +163,7 @@ cmd_up() {
     || refuse "cannot create network namespaces ('ip netns add $sw' failed: $(echo "$out" | head -n1))"
   # from here on, any failure or interrupt removes what was created
   TRAP_PREFIX="$prefix"
-  trap 'rc=$?; trap - EXIT INT TERM; err "up failed, tearing down $TRAP_PREFIX"; teardown "$TRAP_PREFIX"; exit $(( rc ? rc : 1 ))' EXIT
+  trap 'rc=$?; trap - EXIT INT TERM; err "up failed, tearing down $TRAP_PREFIX"; teardown "$TRAP_PREFIX"; exit $(( rc == 130 || rc == 143 ? rc : 1 ))' EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
 
@@ -233,6 +233,7 @@ write_agent() {  # $1 prefix, $2 path
 # HOST is a namespace name ($1-hI) or its address ($NET_PREFIX.(${HOST_BASE}+I)); COMMAND runs there
 # under /bin/sh -c, as ssh would run it under the remote login shell.
 PREFIX='$1'
+STATE_DIR='$(state_dir "$1")'
 NET_PREFIX='$NET_PREFIX'
 HOST_BASE=$HOST_BASE
 EOF
@@ -262,6 +263,9 @@ case "$host" in
   *) echo "agent: host '$host' is not part of emulated cluster '$PREFIX'" >&2; exit 255 ;;
 esac
 [ -e "/run/netns/$ns" ] || { echo "agent: namespace '$ns' does not exist (is cluster '$PREFIX' up?)" >&2; exit 255; }
+# a TMPDIR per host: Open MPI's session directories of different "hosts" must not collide
+export TMPDIR="$STATE_DIR/tmp/$ns"
+mkdir -p "$TMPDIR"
 if [ $# -eq 0 ]; then exec ip netns exec "$ns" /bin/sh -l; fi
 exec ip netns exec "$ns" /bin/sh -c "$*"
 EOF
@@ -291,6 +295,11 @@ cmd_mpirun() {
 run_mpirun() {
   local prefix="$1"; shift
   local sd; sd="$(state_dir "$prefix")"
+  # Session directories: every namespace shares /tmp and the hostname, so with Open MPI's default
+  # (/tmp/ompi.HOST.UID) the daemons of different hosts race creating the same directories
+  # ("mkdir ... File exists") and other mpiruns on the machine may remove ours. Each host gets its
+  # own TMPDIR instead ($sd/tmp/NAMESPACE, set by the agent; mpirun's is $sd/tmp/PREFIX-sw).
+  mkdir -p "$sd/tmp/$(sw_ns "$prefix")"
   local -a xs=() v
   for v in $FORWARD_VARS $(compgen -e | grep -E "$FORWARD_PATTERN" | grep -v '^HGSGC_CLUSTER_FAKE_UID$' || true); do
     [ -n "${!v+x}" ] && xs+=(-x "$v")
@@ -304,18 +313,30 @@ run_mpirun() {
       PMIX_*|ORTE_*|OMPI_*) unset "$v" ;;
     esac
   done
-  # the agent runs the remote command with /bin/sh: tell Open MPI to write sh syntax
-  SHELL=/bin/sh ip netns exec "$(sw_ns "$prefix")" mpirun \
-    --allow-run-as-root \
-    --hostfile "$sd/hostfile" --map-by node \
-    --mca plm_rsh_agent "$sd/agent" \
-    --mca plm_rsh_no_tree_spawn 1 \
-    --mca pml ob1 --mca osc ^ucx \
-    --mca btl tcp,self \
-    --mca btl_tcp_if_include "$SUBNET" \
-    --mca oob_tcp_if_include "$SUBNET" \
-    "${xs[@]}" \
-    "$@"
+  local -a cmd=(ip netns exec "$(sw_ns "$prefix")" mpirun
+    --allow-run-as-root
+    --hostfile "$sd/hostfile" --map-by node
+    --mca plm_rsh_agent "$sd/agent"
+    --mca plm_rsh_no_tree_spawn 1
+    --mca orte_leave_session_attached 1
+    --mca rtc_hwloc_vmhole none
+    --mca pml ob1 --mca osc ^ucx
+    --mca btl tcp,self
+    --mca btl_tcp_if_include "$SUBNET"
+    --mca oob_tcp_if_include "$SUBNET"
+    "${xs[@]}"
+    "$@")
+  # Daemons stay attached to their agent (no --daemonize), so a daemon that dies at startup
+  # fails mpirun at once instead of leaving it waiting forever. The agent's `sh` is /bin/sh: tell
+  # Open MPI to write sh syntax. mpirun's stderr goes through a filter that drops one benign
+  # warning of the rsh launcher ("setpgid ... failed in parent": the agent had already exec'd).
+  local rc
+  set +e
+  { TMPDIR="$sd/tmp/$(sw_ns "$prefix")" SHELL=/bin/sh "${cmd[@]}" 2>&1 1>&3 3>&- \
+      | grep --line-buffered -v 'plm:rsh: Warning: setpgid(' >&2; } 3>&1
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +396,8 @@ cmd_run() {
     esac
   done
   [ $# -gt 0 ] || die "run: nothing to run (cluster.sh run N [options] -- PROGRAM ARGS...)"
-  cmd_up "${up_args[@]}" --prefix "$prefix"        # removes what it created if it fails
+  # (up's report goes to stderr: stdout is the program's; up removes what it made if it fails)
+  cmd_up "${up_args[@]}" --prefix "$prefix" >&2
   TRAP_PREFIX="$prefix"
   trap 'rc=$?; trap - EXIT INT TERM; teardown "$TRAP_PREFIX"; err "cluster $TRAP_PREFIX down"; exit $rc' EXIT
   trap 'exit 130' INT

@@ -13,6 +13,7 @@ Use a prefix of your own per test/benchmark so that runs cannot tear each other 
 """
 import json
 import os
+import signal
 import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,9 +28,30 @@ class ClusterError(RuntimeError):
 
 
 def cluster_sh(*args, check=True, timeout=120, env=None, **kw):
-    """Run cluster.sh with args; returns CompletedProcess (text)."""
-    p = subprocess.run(["bash", CLUSTER_SH, *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env=env, **kw)
+    """Run cluster.sh with args; returns CompletedProcess (text, stdout/stderr captured).
+
+    cluster.sh runs in its own process group: on a timeout or an interrupt (Ctrl-C in pytest)
+    the whole group (mpirun included) gets SIGINT, like Ctrl-C in a terminal, so that `run`
+    tears its cluster down; SIGKILL follows if it does not finish within 20 s.
+    """
+    argv = ["bash", CLUSTER_SH, *map(str, args)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:  # TimeoutExpired, KeyboardInterrupt
+            for sig, wait in ((signal.SIGINT, 20), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+            raise
+    p = subprocess.CompletedProcess(argv, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise ClusterError(f"cluster.sh {' '.join(map(str, args))} failed (exit {p.returncode}): "
                            f"{p.stderr.strip() or p.stdout.strip()}", p.returncode, p.stdout, p.stderr)
