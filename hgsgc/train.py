@@ -28,6 +28,33 @@ def _ring(n, nbytes):
     return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
 
+def byte_figures(counts: dict, steps: int, size: int, grad_bytes: int) -> dict:
+    """Per-step-per-rank byte figures of summary.json from :class:`CommStats` count deltas.
+
+    Args:
+        counts: ``payload_bytes``, ``bytes_sent``, ``bytes_received``, ``exchanges`` over ``steps``.
+        steps: training steps the counts cover (delay included: syncs are averaged over steps).
+        size: ranks exchanging; grad_bytes: fp32 size 4 d of the gradients (bytes).
+
+    Returns:
+        ``gradient_bytes``, ``payload_bytes_per_step_per_rank``, ``bytes_sent_per_step_per_rank``,
+        ``bytes_received_per_step_per_rank``, ``dense_bytes_per_step_per_rank`` (2 (n-1)/n 4d),
+        ``compression_ratio`` (gradient_bytes / payload per step, as in Deep Gradient
+        Compression) and ``exchanges``.
+    """
+    steps = max(1, steps)
+    payload = counts["payload_bytes"] / steps
+    return {
+        "gradient_bytes": grad_bytes,
+        "payload_bytes_per_step_per_rank": payload,
+        "bytes_sent_per_step_per_rank": counts["bytes_sent"] / steps,
+        "bytes_received_per_step_per_rank": counts["bytes_received"] / steps,
+        "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
+        "compression_ratio": grad_bytes / payload if payload else float("inf"),
+        "exchanges": counts["exchanges"],
+    }
+
+
 def run(cfg, log=print) -> dict:
     """Train and evaluate as configured; returns the summary (same on every rank).
 
@@ -139,7 +166,6 @@ def run(cfg, log=print) -> dict:
         diff = {k: after[k] - before[k] for k in after}
         test_loss, test_acc = evaluate()
         n_steps = max(1, len(batches))
-        payload = diff["payload_bytes"] / n_steps
         rec = {
             "epoch": epoch + 1,
             "steps": len(batches),
@@ -148,13 +174,7 @@ def run(cfg, log=print) -> dict:
             "test_accuracy": test_acc,
             "epoch_time_s": epoch_time,
             "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
-            "gradient_bytes": grad_bytes,
-            "payload_bytes_per_step_per_rank": payload,
-            "bytes_sent_per_step_per_rank": diff["bytes_sent"] / n_steps,
-            "bytes_received_per_step_per_rank": diff["bytes_received"] / n_steps,
-            "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
-            "compression_ratio": grad_bytes / payload if payload else float("inf"),
-            "exchanges": diff["exchanges"],
+            **byte_figures(diff, len(batches), size, grad_bytes),
         }
         history.append(rec)
         if is_root:
@@ -170,9 +190,6 @@ def run(cfg, log=print) -> dict:
     if metrics_f:
         metrics_f.close()
 
-    tot = stats.snapshot()
-    steps = max(1, total_steps)
-    payload = tot["payload_bytes"] / steps
     last = history[-1]
     summary = {
         "run_id": run_id,
@@ -189,13 +206,7 @@ def run(cfg, log=print) -> dict:
         "mean_step_time_s": float(np.mean(step_times)) if step_times else 0.0,
         "first_step_time_s": first_step_time,
         "wall_time_s": wall,
-        "gradient_bytes": grad_bytes,
-        "payload_bytes_per_step_per_rank": payload,
-        "bytes_sent_per_step_per_rank": tot["bytes_sent"] / steps,
-        "bytes_received_per_step_per_rank": tot["bytes_received"] / steps,
-        "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
-        "compression_ratio": grad_bytes / payload if payload else float("inf"),
-        "exchanges": tot["exchanges"],
+        **byte_figures(stats.snapshot(), total_steps, size, grad_bytes),
         "seed": cfg.run.seed,
         "batch_size_per_rank": cfg.train.batch_size,
     }
