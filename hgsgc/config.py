@@ -67,6 +67,7 @@ class CompressionConfig:
     selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
     error_feedback: bool = True
     momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
+    warmup_steps: int = 0  # DGC warm-up of sparsity: density 0.25 -> 0.004 in 4 stages
 
 
 @dataclass
@@ -171,7 +172,9 @@ def validate(cfg: Config) -> None:
         bad("train.lr", t.lr, "must be > 0")
     if not 0 <= t.momentum < 1:
         bad("train.momentum", t.momentum, "must be in [0, 1)")
-    for key, v in (("train.warmup_steps", t.warmup_steps), ("train.threads", t.threads),
+    if c.warmup_steps and c.method not in ("topk", "sgc"):
+        bad("compression.warmup_steps", c.warmup_steps, "warm-up of sparsity needs method topk or sgc")
+    for key, v in (("train.warmup_steps", t.warmup_steps), ("compression.warmup_steps", c.warmup_steps), ("train.threads", t.threads),
                    ("train.max_steps_per_epoch", t.max_steps_per_epoch),
                    ("data.train_limit", cfg.data.train_limit), ("data.test_limit", cfg.data.test_limit)):
         if v < 0:

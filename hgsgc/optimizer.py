@@ -150,6 +150,24 @@ class _HgsgcOptimizerMixin:
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
+    def hgsgc_set_density(self, density: float):
+        """Change the density of a sparse compression (e.g. DGC's warm-up of sparsity).
+
+        Residuals and byte counters are kept. Payload sizes are fixed when a step is traced, so
+        the caller must trace its step function again (a new ``tf.function``).
+
+        Raises:
+            ValueError: the compression is dense, or ``density`` is outside (0, 1].
+        """
+        import dataclasses
+
+        comp = self._hgsgc_compression
+        if not hasattr(comp, "density"):
+            raise ValueError(f"compression {comp.to_dict()} has no density to change")
+        comp = dataclasses.replace(comp, density=float(density))
+        self._hgsgc_compression = comp
+        self._hgsgc_exchanger.compression = comp
+
     def hgsgc_synchronize(self, variables):
         """Run the pending sync now if local steps were taken since the last one (delay > 1).
 

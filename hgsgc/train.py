@@ -28,6 +28,26 @@ def _ring(n, nbytes):
     return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
 
+def density_schedule(c):
+    """Warm-up of sparsity (Deep Gradient Compression, Lin et al. 2018, Sec. 4): over the first
+    ``c.warmup_steps`` steps the density falls exponentially, 0.25, 0.0625, 0.015625, 0.00390625
+    (four equal stages, never below the target ``c.density``), then stays at ``c.density``.
+
+    Returns:
+        ``step -> density`` (a Python float), or None when there is no warm-up.
+    """
+    if not getattr(c, "warmup_steps", 0):
+        return None
+    stage_len = max(1, c.warmup_steps // 4)
+
+    def density(step: int) -> float:
+        if step >= c.warmup_steps:
+            return float(c.density)
+        return max(float(c.density), 0.25 ** (step // stage_len + 1))
+
+    return density
+
+
 def byte_figures(counts: dict, steps: int, size: int, grad_bytes: int) -> dict:
     """Per-step-per-rank byte figures of summary.json from :class:`CommStats` count deltas.
 
@@ -93,13 +113,16 @@ def run(cfg, log=print) -> dict:
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
-    @tf.function
-    def train_step(x, y):
+    def step_fn(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
+
+    train_step = tf.function(step_fn)
+    schedule = density_schedule(cfg.compression) if hasattr(compression, "density") else None
+    current_density = compression.density if schedule else None
 
     @tf.function
     def eval_step(x, y):
@@ -150,11 +173,19 @@ def run(cfg, log=print) -> dict:
         losses = []
         epoch_t0 = time.perf_counter()
         for i, b in enumerate(batches):
+            retrace = False
+            if schedule is not None:
+                want = schedule(total_steps + i)
+                if want != current_density:  # density warm-up stage: new k, so a new graph
+                    opt.hgsgc_set_density(want)
+                    current_density = want
+                    train_step = tf.function(step_fn)
+                    retrace = True
             t0 = time.perf_counter()
             loss = float(train_step(data.x_train[b], data.y_train[b]))
             if first_step_time is None:  # graph tracing: reported apart, not in the mean
                 first_step_time = time.perf_counter() - t0
-            else:
+            elif not retrace:
                 step_times.append(time.perf_counter() - t0)
             losses.append(loss)
             if bar is not None:
