@@ -81,6 +81,10 @@ def run(cfg, log=print) -> dict:
     Raises:
         hgsgc.data.DataError: data files missing or malformed.
     """
+    if cfg.layout == "hourglass":  # CONV/FC roles: its own runner (builds its process sets)
+        from hgsgc.hourglass.train import run as run_hourglass
+
+        return run_hourglass(cfg, log=log)
     threads = _setup_threads(cfg.train.threads)
     import horovod.tensorflow as hvd
     import tensorflow as tf

@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     cmd = MPIRUN + ["-np", "2", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m", "hgsgc.cli",
-                    "train", "configs/fashion_mnist.yaml", "data.train_limit=8000", "data.test_limit=2000",
+                    "train", "configs/fashion_mnist_sgc.yaml", "data.train_limit=8000", "data.test_limit=2000",
                     "train.epochs=1", "compression.density=0.01", "compression.delay=2",
                     f"run.out_dir={out}", "run.id=t", "train.progress=false"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)

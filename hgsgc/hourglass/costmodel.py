@@ -8,8 +8,9 @@ Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field me
 * ``act_bytes``: bytes per example CONV -> FC (activations ``4 f`` + an int32 label 4),
   ``grad_bytes``: bytes per example FC -> CONV (activation gradients ``4 f``);
 * ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
-  (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_sparse``/``fc_sparse``
-  (allgather instead of ring allreduce) and ``conv_delay`` (SGC communication delay H);
+  (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_exchange`` /
+  ``fc_exchange`` the algorithm (``ring`` allreduce for dense, ``allgather`` or ``tree`` for
+  sparse; ``node`` is modelled as ``tree``) and ``conv_delay`` (SGC communication delay H);
 * ``bandwidth``: link bandwidth in bytes per second (``hourglass.link_bandwidth_mbps * 1e6 / 8``).
 
 For ``n`` ranks and ``F`` FC ranks, ``C = n - F`` CONV ranks, an FC rank serves at most
@@ -17,8 +18,9 @@ For ``n`` ranks and ``F`` FC ranks, ``C = n - F`` CONV ranks, an FC rank serves 
 
     T_conv(F) = b t_conv + b (act + grad) / bw + E_conv(C) / bw
     T_fc(F)   = m b t_fc + m b (act + grad) / bw + E_fc(F) / bw
-    E(k)      = (k - 1) P / H            (sparse payload P, allgather, delay H)
-              = 2 (k - 1) / k * P / H    (dense, ring allreduce)
+    E(k)      = 2 (k - 1) / k * P / H    (dense, ring allreduce)
+              = (k - 1) P / H            (sparse payload P, allgather, delay H)
+              = (L + 2 [k > 2^L]) P / H  (sparse, tree: busiest rank, L = floor(log2 k))
 
 With the stages pipelined the step takes ``T(F) = max(T_conv, T_fc)``; the model picks the
 ``F`` in ``1 .. floor(n / 2)`` with the highest throughput ``C b / T(F)`` (examples per second;
@@ -45,8 +47,8 @@ class CostInputs:
     conv_payload: float
     fc_payload: float
     bandwidth: float
-    conv_sparse: bool = False
-    fc_sparse: bool = False
+    conv_exchange: str = "ring"
+    fc_exchange: str = "ring"
     conv_delay: int = 1
 
     @staticmethod
@@ -63,11 +65,23 @@ class CostInputs:
         return asdict(self)
 
 
-def exchange_bytes(k: int, payload: float, sparse: bool, delay: int = 1) -> float:
-    """Bytes one rank sends per step in an exchange among ``k`` ranks (ring model)."""
+def exchange_bytes(k: int, payload: float, algorithm: str = "ring", delay: int = 1) -> float:
+    """Bytes the busiest rank sends per step in an exchange among ``k`` ranks.
+
+    ``algorithm``: ``ring`` (dense allreduce), ``allgather`` (sparse payloads), ``tree`` /
+    ``node`` (hierarchical top-k reduction, :mod:`hgsgc.hierarchy`; ``node`` modelled as ``tree``).
+    """
     if k <= 1:
         return 0.0
-    per = (k - 1) * payload if sparse else 2.0 * (k - 1) / k * payload
+    if algorithm == "ring":
+        per = 2.0 * (k - 1) / k * payload
+    elif algorithm == "allgather":
+        per = (k - 1) * payload
+    elif algorithm in ("tree", "node"):
+        L = k.bit_length() - 1
+        per = (L + (2 if k > (1 << L) else 0)) * payload
+    else:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}")
     return per / delay
 
 
@@ -79,8 +93,8 @@ def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:
     b, bw = inp.batch_size, inp.bandwidth
     wire = inp.act_bytes + inp.grad_bytes
     t_conv = (b * inp.t_conv + b * wire / bw
-              + exchange_bytes(C, inp.conv_payload, inp.conv_sparse, inp.conv_delay) / bw)
-    t_fc = m * b * inp.t_fc + m * b * wire / bw + exchange_bytes(F, inp.fc_payload, inp.fc_sparse) / bw
+              + exchange_bytes(C, inp.conv_payload, inp.conv_exchange, inp.conv_delay) / bw)
+    t_fc = m * b * inp.t_fc + m * b * wire / bw + exchange_bytes(F, inp.fc_payload, inp.fc_exchange) / bw
     step = max(t_conv, t_fc)
     return {"fc_workers": F, "conv_workers": C, "convs_per_fc": m, "T_conv_s": t_conv,
             "T_fc_s": t_fc, "T_step_s": step, "throughput": C * b / step if step > 0 else float("inf")}
@@ -111,8 +125,8 @@ def format_report(report: dict) -> str:
         f"hourglass cost model: t_conv {i['t_conv'] * 1e6:.1f} us/example, "
         f"t_fc {i['t_fc'] * 1e6:.1f} us/example, batch {i['batch_size']}, "
         f"activations {i['act_bytes']:.0f} + gradients {i['grad_bytes']:.0f} B/example, "
-        f"CONV payload {i['conv_payload']:.0f} B (sparse={i['conv_sparse']}, delay={i['conv_delay']}), "
-        f"FC payload {i['fc_payload']:.0f} B (sparse={i['fc_sparse']}), "
+        f"CONV payload {i['conv_payload']:.0f} B ({i['conv_exchange']}, delay {i['conv_delay']}), "
+        f"FC payload {i['fc_payload']:.0f} B ({i['fc_exchange']}), "
         f"link {i['bandwidth'] * 8 / 1e6:.0f} Mbit/s"]
     for c in report["candidates"]:
         lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
@@ -147,7 +161,7 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
     import numpy as np
     import tensorflow as tf
 
-    from hgsgc.compression import SparseCompression, as_compression
+    from hgsgc.compression import as_compression
 
     trunk, head = split.trunk, split.head
     in_shape = tuple(int(s) for s in trunk.inputs[0].shape[1:])
@@ -192,5 +206,10 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
         conv_payload=float(payload_bytes(cc, [tuple(v.shape) for v in trunk.trainable_variables])),
         fc_payload=float(payload_bytes(fcc, [tuple(v.shape) for v in head.trainable_variables])),
         bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0,
-        conv_sparse=isinstance(cc, SparseCompression), fc_sparse=isinstance(fcc, SparseCompression),
-        conv_delay=int(cc.delay))
+        conv_exchange=_algorithm(cc), fc_exchange=_algorithm(fcc), conv_delay=int(cc.delay))
+
+
+def _algorithm(comp) -> str:
+    from hgsgc.compression import SparseCompression
+
+    return comp.hierarchy if isinstance(comp, SparseCompression) else "ring"

@@ -32,7 +32,7 @@ training mode) in the trunk, since each CONV rank normalises its own batch.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -220,6 +220,18 @@ class HourglassTrainer:
             out = self._fc_step()
         self.steps += 1
         return out
+
+    def synchronize(self) -> bool:
+        """Run the pending SGC sync now (CONV ranks with ``delay > 1`` and local steps since the
+        last sync), so every CONV rank holds the same trunk; call on every rank before evaluating
+        or saving (a collective among CONV ranks; FC ranks return at once).
+
+        Returns:
+            True if an exchange ran on this rank.
+        """
+        if self.is_conv and hasattr(self.opt, "hgsgc_synchronize"):
+            return bool(self.opt.hgsgc_synchronize(self.variables))
+        return False
 
     # ------------------------------------------------------------------------------------
     def evaluate(self, x: Optional[np.ndarray] = None, y: Optional[np.ndarray] = None,

@@ -1,0 +1,146 @@
+"""Run under mpirun: every multi-rank property of the Hourglass layout; rank 0 prints one JSON line.
+
+Usage: ``check_hourglass.py [RUN_DIR]``. For each FC-rank count in LAYOUTS[world size]:
+
+* dense: two Hourglass steps (momentum SGD, no compression) next to a single-process reference
+  taking the same steps on the concatenated CONV batches; max weight errors after each step;
+  byte counters after the two steps;
+* sparse: four steps with SGC (delay 2) on the CONV ranks and top-k on the FC ranks; spread of
+  the role's weights across the role's ranks after each step; byte counters;
+* evaluation through the split next to the reference model's evaluation.
+
+With 4 ranks also ``fc_workers=auto``; with 3 ranks (and RUN_DIR given) one short real
+``hgsgc.hourglass.train.run`` writing RUN_DIR. tests/test_hourglass.py asserts on the numbers.
+"""
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+from mpi4py import MPI  # noqa: E402
+
+import hgsgc  # noqa: E402
+from hgsgc.hourglass import HourglassTrainer, Layout, split_model  # noqa: E402
+from hgsgc.models import build_model  # noqa: E402
+
+world = MPI.COMM_WORLD
+rank, n = world.Get_rank(), world.Get_size()
+LAYOUTS = {2: [1], 3: [1], 4: [1], 5: [2]}  # C+F: 1+1, 2+1, 3+1, (2+1)+2 uneven
+B = 6  # examples per CONV rank
+LR, MOM = 0.1, 0.9
+res = {"layouts": {}}
+
+
+def batch(step, conv_index):
+    g = np.random.default_rng([1000 + step, conv_index])
+    return g.random((B, 28, 28, 1), dtype=np.float32), g.integers(0, 10, B).astype(np.int32)
+
+
+def flat(vs):
+    return np.concatenate([v.numpy().ravel() for v in vs])
+
+
+def spread(comm, w):
+    allw = comm.allgather(w)
+    return float(max(np.max(np.abs(x - allw[0])) for x in allw))
+
+
+def sgd():
+    return tf.keras.optimizers.legacy.SGD(LR, momentum=MOM)
+
+
+for F in LAYOUTS[n]:
+    out = {}
+    # ---- dense: equality with one single-process SGD step on the union of the batches ----
+    split = split_model(build_model("tiny", seed=3))
+    layout = Layout(world, F)
+    C = layout.n_conv
+    tr = HourglassTrainer(layout, split, B, sgd())
+    ref = split_model(build_model("tiny", seed=3))
+    ref_opt = sgd()
+    ref_vars = ref.trunk_variables if layout.is_conv else ref.head_variables
+    w0 = flat(ref_vars)
+    errs = []
+    for step in range(2):
+        if layout.is_conv:
+            tr.train_step(*batch(step, layout.role_index))
+        else:
+            tr.train_step()
+        xs, ys = zip(*[batch(step, c) for c in range(C)])
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, ref.model(x, training=True), from_logits=True))
+        ref_opt.apply_gradients(zip(tape.gradient(loss, ref.model.trainable_variables),
+                                    ref.model.trainable_variables))
+        errs.append(float(np.max(np.abs(tr.role_weights() - flat(ref_vars)))))
+    out["max_err_per_step"] = errs
+    out["moved"] = float(np.max(np.abs(flat(ref_vars) - w0)))  # equality must not be trivial
+    out["dense_bytes"] = tr.snapshot()
+    # evaluation through the split == the reference model on the same examples
+    ge = np.random.default_rng([7, 7])
+    xe, ye = ge.random((23, 28, 28, 1), dtype=np.float32), ge.integers(0, 10, 23).astype(np.int32)
+    bounds = np.linspace(0, len(xe), C + 1).astype(int)
+    if layout.is_conv:
+        i = layout.role_index
+        el, ea = tr.evaluate(xe[bounds[i]:bounds[i + 1]], ye[bounds[i]:bounds[i + 1]], batch_size=4)
+    else:
+        el, ea = tr.evaluate()
+    logits = ref.model(xe, training=False)
+    out["eval"] = [el, ea]
+    out["eval_ref"] = [float(np.mean(tf.keras.losses.sparse_categorical_crossentropy(ye, logits, from_logits=True))),
+                       float(np.mean(np.argmax(logits, 1) == ye))]
+    out.update(role=layout.role, n_conv=C, n_fc=layout.n_fc, my_fc=layout.my_fc, my_convs=layout.my_convs,
+               features=split.features, d_conv=int(sum(np.prod(v.shape) for v in split.trunk_variables)),
+               d_fc=int(sum(np.prod(v.shape) for v in split.head_variables)),
+               conv_shapes=[list(v.shape) for v in split.trunk_variables],
+               fc_shapes=[list(v.shape) for v in split.head_variables],
+               process_set_ranks=list(layout.process_set.ranks))
+
+    # ---- sparse: SGC with delay 2 on CONV ranks, top-k on FC ranks ----
+    split = split_model(build_model("tiny", seed=4))  # same layout, a new model and trainer
+    tr = HourglassTrainer(layout, split, B, sgd(), compression=hgsgc.Compression.sgc(0.05, bits=2, delay=2),
+                          fc_compression=hgsgc.Compression.topk(0.1))
+    spreads = []
+    for step in range(4):
+        if layout.is_conv:
+            tr.train_step(*batch(10 + step, layout.role_index))
+        else:
+            tr.train_step()
+        spreads.append(spread(layout.role_comm, tr.role_weights()))
+    out["sparse_spreads"] = spreads
+    out["sparse_bytes"] = tr.snapshot()
+    out["train_loss"] = tr.train_loss()
+    res["layouts"][str(F)] = out
+
+# ---- fc_workers=auto: every rank gets the same, cost-model-consistent choice ----
+if n == 4:
+    from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, measure_costs
+
+    split = split_model(build_model("tiny", seed=5))
+    layout = Layout(world, "auto", cost=lambda: measure_costs(split, 8, hgsgc.Compression.none,
+                                                              hgsgc.Compression.none, 1000.0, repeats=2))
+    rep = layout.cost_report
+    res["auto"] = {"fc_workers": layout.n_fc, "report_choice": rep["fc_workers"],
+                   "recomputed": choose_fc_workers(CostInputs(**rep["inputs"]), n)["fc_workers"],
+                   "candidates": len(rep["candidates"])}
+
+# ---- a short real run of the Hourglass main job ----
+if n == 3 and len(sys.argv) > 1:
+    from hgsgc.config import load_config
+    from hgsgc.hourglass.train import run
+
+    cfg = load_config(None, [
+        "layout=hourglass", "model.name=tiny", "train.epochs=1", "train.max_steps_per_epoch=5",
+        "train.batch_size=8", "train.threads=1", "train.progress=false", "data.train_limit=2000",
+        "data.test_limit=300", f"run.out_dir={sys.argv[1]}", "run.id=hg", "hourglass.fc_workers=1",
+        "compression.method=sgc", "compression.density=0.05", "compression.delay=2"])
+    summary = run(cfg, log=lambda s: None)
+    res["run_summary"] = summary
+
+allres = world.allgather(res)
+if rank == 0:
+    print("RESULT " + json.dumps({"size": n, "ranks": allres}))
