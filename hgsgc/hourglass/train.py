@@ -103,6 +103,9 @@ def _totals(roles, size, d):
     ``compression_ratio = 4 d / payload`` says how much less gradient data a rank exchanges than
     dense data parallelism; ``bytes_*_per_step_per_rank`` are means over all ranks of everything
     crossing a rank's link (activations, labels, activation gradients and gradient exchanges).
+    Because ``compression_ratio`` ignores the activation traffic, ``traffic_reduction_vs_dense``
+    (dense data-parallel bytes sent per step, all ranks, over this job's) is the figure to compare
+    layouts by.
     """
     n = {r: len(roles[r]["ranks"]) for r in ("conv", "fc")}
 
@@ -121,6 +124,8 @@ def _totals(roles, size, d):
         "compression_ratio": 4 * d / payload if payload else float("inf"),
         "total_bytes_sent_per_step": sent * size,
         "dense_total_bytes_sent_per_step": _ring(size, 4 * d) * size,
+        # everything on the wire (activations included) against dense data parallelism
+        "traffic_reduction_vs_dense": (_ring(size, 4 * d) / sent) if sent else float("inf"),
     }
 
 
