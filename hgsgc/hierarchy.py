@@ -462,6 +462,21 @@ def exchange(tensors, names, *, compression, memory, stats, process_set, rank: i
     from hgsgc.compression import codec
     from hgsgc.compression.sparsify import num_selected
 
+    # The graph built here depends on the rank (merge, adopt or idle per round). Inside a name
+    # scope of its own it cannot shift the auto-generated names of ops built after it, which
+    # Horovod ops named after their input tensors rely on being equal on every rank.
+    with tf.name_scope(f"hgsgc_{plan.hierarchy}_{uid}"):
+        return _exchange(tensors, names, compression, memory, stats, process_set, rank, n, plan,
+                         select, uid)
+
+
+def _exchange(tensors, names, compression, memory, stats, process_set, rank, n, plan, select, uid):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from hgsgc.compression import codec
+    from hgsgc.compression.sparsify import num_selected
+
     comp = compression
     bits = comp.bits
     specs, aggs, payloads, compensated, local = [], [], [], [], []
