@@ -113,7 +113,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 HIERARCHICAL = ("tree", "node")
 ENV_RANKS_PER_NODE = "HGSGC_RANKS_PER_NODE"
@@ -311,7 +311,8 @@ def node_cost(hosts: Sequence[Sequence[int]], rank: int, payload: int) -> dict:
                             inter_bytes_sent=0, inter_bytes_received=0)
             t = tree_cost(len(hosts), hi, payload)
             intra = (s - 1) * payload
-            return dict(bytes_sent=t["bytes_sent"] + intra, bytes_received=t["bytes_received"] + intra,
+            return dict(bytes_sent=t["bytes_sent"] + intra,
+                        bytes_received=t["bytes_received"] + intra,
                         messages=t["messages"] + (s - 1), rounds=rounds,
                         inter_bytes_sent=t["bytes_sent"], inter_bytes_received=t["bytes_received"])
     raise ValueError(f"rank {rank} is on no host of {hosts}")

@@ -57,7 +57,8 @@ def worker(args):
 
     @tf.function
     def step(xs):
-        dense = [hvd.allreduce(x, op=hvd.Average, name=f"bench_dense_{i}") for i, x in enumerate(xs)]
+        dense = [hvd.allreduce(x, op=hvd.Average, name=f"bench_dense_{i}")
+                 for i, x in enumerate(xs)]
         return dense, [ex.exchange(xs, names) for ex in exs]
 
     t0 = time.perf_counter()
@@ -80,7 +81,10 @@ def worker(args):
         flat_o = [np.concatenate([o.numpy().ravel() for o in out]) for out in outs]
         if first is None:
             first = (flat_d, flat_o)
-        sums = (flat_d, flat_o) if sums is None else (sums[0] + flat_d, [a + b for a, b in zip(sums[1], flat_o)])
+        if sums is None:
+            sums = (flat_d, flat_o)
+        else:
+            sums = (sums[0] + flat_d, [a + b for a, b in zip(sums[1], flat_o)])
     wall = time.perf_counter() - t0
 
     def rel(a, b):
@@ -126,7 +130,8 @@ def run_one(n, ranks_per_node, timeout):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not line:
-        raise RuntimeError(f"n={n} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        raise RuntimeError(f"n={n} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n"
+                           f"{p.stderr[-3000:]}")
     out = json.loads(line[0][7:])
     out["launch_s"] = time.perf_counter() - t
     return out
@@ -199,8 +204,8 @@ def write_outputs(res, rows, args):
         "traffic (negotiation, split sizes) is not counted.",
         "",
         "| n | allgather max sent (B) | tree max sent (B) | tree max recv (B) | node max sent (B) "
-        "| node inter-host max sent (B) | (n-1) P | (floor(log2 n)+2) P | rounds allgather / tree / node "
-        "| measured == formula |",
+        "| node inter-host max sent (B) | (n-1) P | (floor(log2 n)+2) P "
+        "| rounds allgather / tree / node | measured == formula |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["n"], r["hierarchy"]): r for r in two}
@@ -227,7 +232,8 @@ def write_outputs(res, rows, args):
         "the dense average (the allgather result has up to n k entries, the tree's and node's k).",
         "",
         "| n | bits | top-k of exact mean, step 1 | allgather step 1 | tree step 1 | node step 1 "
-        f"| tree vs allgather | allgather {STEPS} steps | tree {STEPS} steps | node {STEPS} steps |",
+        f"| tree vs allgather | allgather {STEPS} steps | tree {STEPS} steps "
+        f"| node {STEPS} steps |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     eb = {(e["n"], e["hierarchy"], e["bits"]): e for e in errors}
@@ -238,7 +244,8 @@ def write_outputs(res, rows, args):
             a, t, nd = eb[(n, "allgather", b)], eb[(n, "tree", b)], eb[(n, "node", b)]
             orc = res_n["oracle_topk_step1_rel_err"]
             lines.append(
-                f"| {n} | {b} | {orc:.3f} | {a['step1_rel_err_vs_dense']:.3f} | {t['step1_rel_err_vs_dense']:.3f} "
+                f"| {n} | {b} | {orc:.3f} | {a['step1_rel_err_vs_dense']:.3f} "
+                f"| {t['step1_rel_err_vs_dense']:.3f} "
                 f"| {nd['step1_rel_err_vs_dense']:.3f} | {t['step1_rel_diff_vs_allgather']:.3f} "
                 f"| {a[ck]:.3f} | {t[ck]:.3f} | {nd[ck]:.3f} |")
     lines += ["", "![bytes per rank](hierarchy.png)", ""]
@@ -282,9 +289,11 @@ def main():
     ap.add_argument("--ns", type=int, nargs="+", default=list(range(2, 17)))
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
+    ap.add_argument("--out", default=OUT, help="output folder (default docs/benchmarks)")
     ap.add_argument("--replot", action="store_true",
                     help="rewrite hierarchy.md/.png from the saved hierarchy.json, run nothing")
     args = ap.parse_args()
+    globals()["OUT"] = args.out
     if args.worker:
         return worker(args)
     if args.replot:

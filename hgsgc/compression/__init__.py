@@ -64,7 +64,10 @@ class SparseCompression:
         bits: 32 (fp32 values) or 2 (2-bit codes + two fp32 scales per tensor).
         delay: H >= 1. H = 1 compresses gradients each step; H > 1 runs H local optimizer steps
             and then exchanges the compressed model delta since the last sync (plus residual).
-        hierarchy: how payloads are exchanged; ``"allgather"`` (flat, (n - 1) p bytes per rank).
+        hierarchy: how payloads are exchanged: ``"allgather"`` (flat, (n - 1) P bytes per rank),
+            ``"tree"`` (global top-k by recursive doubling, at most (floor(log2 n) + 2) P bytes on
+            the busiest rank) or ``"node"`` (reduce within a host, tree between host leaders);
+            see :mod:`hgsgc.hierarchy` and docs/compression.md.
         selector: ``"exact"`` top-k or ``"sampled"`` threshold (Deep Gradient Compression).
         error_feedback: keep what was not sent in a residual (True) or drop it (False).
         momentum_correction: Deep Gradient Compression's momentum correction and momentum factor

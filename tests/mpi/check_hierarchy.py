@@ -25,7 +25,7 @@ from hgsgc.communicator import Exchanger  # noqa: E402
 
 hvd.init()
 rank, n = hvd.rank(), hvd.size()
-SHAPES = [(12, 10), (37,), (1,), (0,)]
+SHAPES = [(12, 10), (1,), (0,)]  # 84-bit index stream (not byte aligned), k = 1, empty
 NAMES = [f"t{i}" for i in range(len(SHAPES))]
 LIVE = [i for i, s in enumerate(SHAPES) if int(np.prod(s))]
 DENSITY = 0.1
@@ -83,7 +83,8 @@ def compare(allr, hierarchy, bits, hosts=None, seed=0):
            "bytes_equal_formula": True, "stats": allr[0]["stats"][0], "costs": allr[0]["costs"]}
     ref_res = None
     for s in range(STEPS):
-        inputs = [[x.ravel() for i, x in enumerate(grads(r, s, seed)) if i in LIVE] for r in range(n)]
+        inputs = [[x.ravel() for i, x in enumerate(grads(r, s, seed)) if i in LIVE]
+                  for r in range(n)]
         ref = rt.exchange(inputs, DENSITY, bits, hierarchy, hosts, ref_res)
         ref_res = ref["residuals"]
         for j, i in enumerate(LIVE):
