@@ -88,6 +88,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from hgsgc.bench import main as bench_main
+
+    return bench_main(args.spec, out=args.out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hgsgc", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -99,6 +105,10 @@ def main(argv=None) -> int:
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     r.add_argument("--out", default=None, help="where report.md and the PNGs go (default: first RUN_DIR)")
     r.set_defaults(func=cmd_report)
+    b = sub.add_parser("bench", help="side-by-side benchmark matrix on the emulated cluster (root)")
+    b.add_argument("spec", help="bench spec YAML, e.g. configs/bench/smoke.yaml")
+    b.add_argument("--out", default=None, help="output name: docs/benchmarks/NAME.{json,md,png}")
+    b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)
     return args.func(args)
 

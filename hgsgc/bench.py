@@ -1,0 +1,634 @@
+"""``hgsgc bench SPEC.yaml``: the side-by-side benchmark matrix on the emulated cluster.
+
+For every cell (method x bandwidth x host count) of a spec (YAML, see ``configs/bench/``) this
+brings up an :class:`EmulatedCluster` (``scripts/cluster/``, docs/cluster.md) with its own prefix,
+runs ``hgsgc train`` across its hosts with one rank per host, reads the run's ``summary.json`` and
+the hosts' interface counters, and always tears the cluster down. A failed cell (bad override,
+crash, timeout) is recorded with ``status: failed`` and its error; the matrix goes on.
+It also measures the compute-only step time of every method: the same model and method in one
+plain process (no MPI launch, no communication), the physical limit.
+
+Spec::
+
+    name: fmnist_4h                       # output: docs/benchmarks/<name>.{json,md,*.png}
+    hosts: [4]
+    bandwidths: [100mbit, 1gbit]          # tc rates
+    overrides: [train.epochs=1, train.max_steps_per_epoch=30]   # for every cell
+    mpi_args: []                          # extra mpirun options for every cell
+    timeout_s: 900                        # per cell
+    compute_only: true
+    methods:
+      - name: horovod_dense               # a label
+        config: configs/fashion_mnist_dense.yaml
+        overrides: []                     # per-method dotted overrides
+        mpi_args: []                      # per-method mpirun options
+        role: dense                       # dense | baseline | ours | other
+      - {name: hourglass_sgc, config: configs/fashion_mnist.yaml, role: ours}
+
+A new method is one more entry in ``methods`` (``compression.method=terngrad`` ...): nothing in
+this module knows the method names.
+
+Roles: ``dense`` rows are Horovod dense allreduce variants (the best of them is "Horovod dense"
+in the ratios), ``baseline`` rows are the state of the art the issue compares against (the best
+of dense + baseline rows is "best baseline"), ``ours`` rows are the project's methods.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER_DIR = os.path.join(ROOT, "scripts", "cluster")
+FULL_TRAIN_IMAGES = 60000
+
+ROLES = ("dense", "baseline", "ours", "other")
+
+# what every cell of the results JSON has (an ok cell has all of CELL_FIELDS + OK_FIELDS)
+CELL_FIELDS = ("method", "role", "config", "overrides", "mpi_args", "hosts", "bandwidth", "bandwidth_mbit",
+               "prefix", "status", "error", "launch_time_s", "load_before", "load_after")
+OK_FIELDS = ("run_id", "world_size", "layout", "compression", "steps", "mean_step_time_s", "time_per_epoch_s",
+             "full_epoch_steps", "measured_epoch_time_s", "wall_time_s", "gradient_bytes", "parameters",
+             "payload_bytes_per_step_per_rank", "bytes_sent_per_step_per_rank",
+             "bytes_received_per_step_per_rank", "dense_bytes_per_step_per_rank", "compression_ratio",
+             "final_test_accuracy", "interface", "iface_tx_bytes_per_step_per_rank",
+             "iface_rx_bytes_per_step_per_rank", "iface_over_hgsgc", "vs_dense", "vs_best_baseline",
+             "vs_compute_only")
+COMPUTE_FIELDS = ("method", "status", "error", "mean_step_time_s", "steps", "final_test_accuracy")
+
+
+class SpecError(ValueError):
+    """Invalid bench spec; the message names the key."""
+
+
+def _emulated():
+    if CLUSTER_DIR not in sys.path:
+        sys.path.insert(0, CLUSTER_DIR)
+    import emulated  # noqa: E402
+
+    return emulated
+
+
+def load_spec(path_or_dict) -> dict:
+    """Read and validate a spec (a YAML path or a dict); fills in defaults."""
+    if isinstance(path_or_dict, dict):
+        spec = dict(path_or_dict)
+    else:
+        import yaml
+
+        with open(path_or_dict) as f:
+            spec = yaml.safe_load(f) or {}
+        spec.setdefault("name", os.path.splitext(os.path.basename(path_or_dict))[0])
+    spec.setdefault("hosts", [2])
+    spec.setdefault("bandwidths", ["100mbit"])
+    spec.setdefault("overrides", [])
+    spec.setdefault("mpi_args", [])
+    spec.setdefault("timeout_s", 900)
+    spec.setdefault("compute_only", True)
+    spec.setdefault("compute_only_shared", False)  # also n processes at once (n = host count)
+    spec.setdefault("out_dir", os.path.join("docs", "benchmarks"))
+    spec.setdefault("runs_dir", os.path.join("runs", "bench"))
+    if not spec.get("methods"):
+        raise SpecError("spec: 'methods' must list at least one method")
+    for key in ("hosts", "bandwidths", "overrides", "mpi_args"):
+        if not isinstance(spec[key], list):
+            raise SpecError(f"spec: '{key}' must be a list")
+    names = set()
+    for i, m in enumerate(spec["methods"]):
+        if not isinstance(m, dict) or "name" not in m or "config" not in m:
+            raise SpecError(f"spec: methods[{i}] needs 'name' and 'config'")
+        m.setdefault("overrides", [])
+        m.setdefault("mpi_args", [])
+        m.setdefault("role", "other")
+        if m["role"] not in ROLES:
+            raise SpecError(f"spec: methods[{i}].role must be one of {ROLES}")
+        if m["name"] in names:
+            raise SpecError(f"spec: duplicate method name {m['name']!r}")
+        names.add(m["name"])
+    return spec
+
+
+def _bw_mbit(bw: str) -> float:
+    """'100mbit' -> 100.0, '1gbit' -> 1000.0, '500kbit' -> 0.5 (tc rate units, bits)."""
+    s = str(bw).lower().strip()
+    for unit, f in (("gbit", 1e3), ("mbit", 1.0), ("kbit", 1e-3), ("bit", 1e-6)):
+        if s.endswith(unit):
+            return float(s[: -len(unit)]) * f
+    return float(s) * 1e-6
+
+
+def _read_run(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    cfg = {}
+    if os.path.exists(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as f:
+            cfg = json.load(f)
+    epochs = []
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            epochs = [json.loads(ln) for ln in f if ln.strip()]
+    return {"summary": summary, "config": cfg, "epochs": epochs}
+
+
+def _full_epoch_steps(summary: dict, cfg: dict) -> int:
+    """Steps of one full epoch (all training images) for this run's global batch."""
+    images = (cfg.get("data") or {}).get("train_limit") or FULL_TRAIN_IMAGES
+    gb = summary.get("global_batch_size") or summary["batch_size_per_rank"] * summary["world_size"]
+    return max(1, images // gb)
+
+
+def _record(run: dict) -> dict:
+    """The per-cell figures from a run directory's files."""
+    s, cfg, epochs = run["summary"], run["config"], run["epochs"]
+    full_steps = _full_epoch_steps(s, cfg)
+    rec = {
+        "run_id": s["run_id"],
+        "world_size": s["world_size"],
+        "layout": s["layout"],
+        "compression": s["compression"],
+        "steps": s["steps"],
+        "epochs": s["epochs"],
+        "global_batch_size": s.get("global_batch_size") or s["batch_size_per_rank"] * s["world_size"],
+        "mean_step_time_s": s["mean_step_time_s"],
+        "first_step_time_s": s.get("first_step_time_s"),
+        "full_epoch_steps": full_steps,
+        # a full epoch at the measured mean step time (runs are truncated to a few steps)
+        "time_per_epoch_s": s["mean_step_time_s"] * full_steps,
+        # what the truncated epochs took (first step = graph tracing included)
+        "measured_epoch_time_s": [e.get("epoch_time_s") for e in epochs],
+        "wall_time_s": s["wall_time_s"],
+        "gradient_bytes": s.get("gradient_bytes"),
+        "parameters": s.get("parameters"),
+        "payload_bytes_per_step_per_rank": s.get("payload_bytes_per_step_per_rank"),
+        "bytes_sent_per_step_per_rank": s.get("bytes_sent_per_step_per_rank"),
+        "bytes_received_per_step_per_rank": s.get("bytes_received_per_step_per_rank"),
+        "dense_bytes_per_step_per_rank": s.get("dense_bytes_per_step_per_rank"),
+        "compression_ratio": s.get("compression_ratio"),
+        "final_test_accuracy": s.get("final_test_accuracy"),
+        "final_test_loss": s.get("final_test_loss"),
+        "accuracy_curve": [{"epoch": e["epoch"], "test_accuracy": e.get("test_accuracy"),
+                            "epoch_time_s": e.get("epoch_time_s")} for e in epochs],
+    }
+    if "roles" in s:
+        rec["roles"] = {r: {k: v for k, v in s["roles"][r].items()
+                            if isinstance(v, (int, float, list, str))} for r in s["roles"]}
+        rec["hourglass"] = {k: s["hourglass"][k] for k in ("conv_workers", "fc_workers", "conv_parameters",
+                                                            "fc_parameters") if k in s.get("hourglass", {})}
+    return rec
+
+
+def _load() -> Optional[List[float]]:
+    """1/5/15-minute load averages: other jobs on the machine share its CPUs with the hosts."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _tail(text: str, n: int = 15) -> str:
+    lines = [ln for ln in (text or "").splitlines() if ln.strip()]
+    return "\n".join(lines[-n:])
+
+
+def _error_of(stdout: str, stderr: str, rc) -> str:
+    """The most telling line(s) of a failed run: hgsgc's own error line if there is one."""
+    for text in (stderr, stdout):
+        for ln in (text or "").splitlines():
+            if ln.startswith("hgsgc:") and ("error" in ln):
+                return ln.strip()
+    return f"exit {rc}: " + _tail(stderr or stdout, 5)
+
+
+def _train_args(python: str, method: dict, spec: dict, run_dir_root: str, run_id: str) -> List[str]:
+    return [python, "-m", "hgsgc.cli", "train", method["config"], *spec["overrides"], *method["overrides"],
+            f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
+
+
+def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optional[str] = None) -> dict:
+    """One cell: an emulated cluster of ``hosts`` hosts at ``bandwidth``, one train run across it."""
+    em = _emulated()
+    py = python or sys.executable
+    prefix = "hgb" + uuid.uuid4().hex[:6]
+    run_id = f"{spec['name']}-{method['name']}-{hosts}h-{bandwidth}-{prefix}"
+    cell = {"method": method["name"], "role": method["role"], "config": method["config"],
+            "overrides": [*spec["overrides"], *method["overrides"]],
+            "mpi_args": [*spec["mpi_args"], *method["mpi_args"]],
+            "hosts": hosts, "bandwidth": bandwidth, "bandwidth_mbit": _bw_mbit(bandwidth),
+            "prefix": prefix, "status": "failed", "error": None, "load_before": _load()}
+    t0 = time.perf_counter()
+    try:
+        with em.EmulatedCluster(hosts, bandwidth=bandwidth, prefix=prefix) as c:
+            before = c.counters()
+            p = c.mpirun([*cell["mpi_args"], "-np", str(hosts),
+                          *_train_args(py, method, spec, spec["runs_dir"], run_id)],
+                         check=False, timeout=spec["timeout_s"])
+            after = c.counters()
+            per_host = c.delta(before, after)
+        cell["launch_time_s"] = time.perf_counter() - t0
+        cell["returncode"] = p.returncode
+        cell["stdout_tail"] = _tail(p.stdout)
+        cell["stderr_tail"] = _tail(p.stderr)
+        if p.returncode != 0:
+            cell["error"] = _error_of(p.stdout, p.stderr, p.returncode)
+            return cell
+        run = _read_run(os.path.join(spec["runs_dir"], run_id))
+        cell.update(_record(run))
+        steps = max(1, cell["steps"])
+        hosts_sorted = sorted(per_host)
+        cell["interface"] = {h: per_host[h] for h in hosts_sorted}
+        tx = [per_host[h]["tx_bytes"] for h in hosts_sorted]
+        rx = [per_host[h]["rx_bytes"] for h in hosts_sorted]
+        # everything the host sent during the mpirun (launch, initial broadcast, evaluation and
+        # summary included) divided by the training steps: an upper bound of the per-step traffic
+        cell["iface_tx_bytes_per_step_per_rank"] = sum(tx) / len(tx) / steps
+        cell["iface_rx_bytes_per_step_per_rank"] = sum(rx) / len(rx) / steps
+        cell["iface_tx_bytes_per_step_max_rank"] = max(tx) / steps
+        hg = cell.get("bytes_sent_per_step_per_rank") or 0.0
+        cell["iface_over_hgsgc"] = (cell["iface_tx_bytes_per_step_per_rank"] / hg) if hg else None
+        cell["status"] = "ok"
+    except subprocess.TimeoutExpired:
+        cell["error"] = f"timeout after {spec['timeout_s']} s"
+    except Exception as exc:  # ClusterError, missing summary, ...
+        cell["error"] = f"{type(exc).__name__}: {exc}"
+        cell["traceback"] = _tail(traceback.format_exc(), 6)
+    finally:
+        cell.setdefault("launch_time_s", time.perf_counter() - t0)
+        cell["load_after"] = _load()
+        em.cluster_sh("down", "--prefix", prefix, check=False)  # idempotent; leftovers of a crash
+    return cell
+
+
+def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, copies: int = 1) -> dict:
+    """The same model and method in plain processes (world size 1, no communication).
+
+    ``copies=1``: one process alone on the machine, the physical limit the issue asks for.
+    ``copies=n``: n such processes at the same time, i.e. the compute of n emulated hosts that
+    share this machine's CPUs (the limit an n-host cell on this machine can reach); the record is
+    the mean over the copies. A Hourglass method needs several ranks: it is measured with
+    ``layout=data_parallel`` (the whole model on one process), the compute of one data-parallel step.
+    """
+    py = python or sys.executable
+    extra = []
+    import yaml
+
+    try:
+        with open(method["config"]) as f:
+            layout = (yaml.safe_load(f) or {}).get("layout")
+    except OSError:
+        layout = None
+    overrides = [*spec["overrides"], *method["overrides"]]
+    if layout == "hourglass" or "layout=hourglass" in overrides:
+        extra = ["layout=data_parallel"]
+    tag = uuid.uuid4().hex[:6]
+    run_ids = [f"{spec['name']}-{method['name']}-compute-{tag}-{i}" for i in range(copies)]
+    rec = {"method": method["name"], "copies": copies, "status": "failed", "error": None,
+           "extra_overrides": extra, "load_before": _load()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    procs = []
+    try:
+        for rid in run_ids:
+            procs.append(subprocess.Popen(_train_args(py, method, spec, spec["runs_dir"], rid) + extra,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [p.communicate(timeout=spec["timeout_s"]) for p in procs]
+        for p, (o, e) in zip(procs, outs):
+            if p.returncode != 0:
+                rec["error"] = _error_of(o, e, p.returncode)
+                return rec
+        runs = [_record(_read_run(os.path.join(spec["runs_dir"], rid))) for rid in run_ids]
+        rec["mean_step_time_s"] = sum(r["mean_step_time_s"] for r in runs) / copies
+        rec["step_times_s"] = [r["mean_step_time_s"] for r in runs]
+        rec.update({k: runs[0][k] for k in ("steps", "final_test_accuracy", "wall_time_s")})
+        rec["status"] = "ok"
+    except subprocess.TimeoutExpired:
+        rec["error"] = f"timeout after {spec['timeout_s']} s"
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        rec["load_after"] = _load()
+    return rec
+
+
+def _fmt_line(cell: dict) -> str:
+    if cell["status"] != "ok":
+        return (f"[bench] {cell['method']:<22} {cell['hosts']}h {cell['bandwidth']:>8}: FAILED "
+                f"({cell['error']})")
+    return (f"[bench] {cell['method']:<22} {cell['hosts']}h {cell['bandwidth']:>8}: "
+            f"step {cell['mean_step_time_s'] * 1e3:8.1f} ms, epoch {cell['time_per_epoch_s']:8.1f} s, "
+            f"sent/step/rank {cell['bytes_sent_per_step_per_rank'] / 1e3:9.1f} kB (iface "
+            f"{cell['iface_tx_bytes_per_step_per_rank'] / 1e3:9.1f} kB), ratio "
+            f"{cell['compression_ratio']:.1f}, acc {cell['final_test_accuracy']:.4f}")
+
+
+def _busiest_link_bytes(c: dict) -> float:
+    """Bytes per step through the busiest rank's link, one direction (hgsgc's count)."""
+    vals = [c.get("bytes_sent_per_step_per_rank") or 0.0, c.get("bytes_received_per_step_per_rank") or 0.0]
+    for r in (c.get("roles") or {}).values():
+        vals += [r.get("bytes_sent_per_step_per_rank") or 0.0, r.get("bytes_received_per_step_per_rank") or 0.0]
+    return max(vals)
+
+
+def breakdown(c: dict, results: dict) -> dict:
+    """Where a step's time goes, from measurements (not a tracer):
+
+    * ``compute_s``: the compute-only step of the same model and method, with as many processes
+      at once as the cell has hosts when measured (they share this machine's CPUs), else alone;
+    * ``compression_s``: that method's compute-only step minus Horovod dense's (both alone: the
+      sparsify/quantize/error-feedback work; noisy when other jobs load the machine);
+    * ``wire_s``: the busiest rank's bytes per step (hgsgc's count, one direction) x 1.05
+      framing (docs/cluster.md) at the link rate: the time the link needs at full speed;
+    * ``waiting_s``: the rest: synchronisation (ranks waiting for the slowest), the protocol's
+      lost link rate (Open MPI's TCP put halving bidirectional exchanges, docs/cluster.md),
+      Horovod's coordination cycle and latency of many small messages.
+    """
+    co = results.get("compute_only", {})
+    cs = results.get("compute_only_shared", {}).get(f"{c['method']}@{c['hosts']}")
+    own = co.get(c["method"], {})
+    compute = (cs or {}).get("mean_step_time_s") if (cs or {}).get("status") == "ok" else None
+    if compute is None:
+        compute = own.get("mean_step_time_s") if own.get("status") == "ok" else 0.0
+    dense = [co[m["method"]] for m in results["cells"] if m["role"] == "dense" and m["method"] in co]
+    dense_step = min((d["mean_step_time_s"] for d in dense if d.get("status") == "ok"), default=None)
+    compression = (own["mean_step_time_s"] - dense_step) if own.get("status") == "ok" and dense_step else None
+    wire = _busiest_link_bytes(c) * 1.05 * 8 / (c["bandwidth_mbit"] * 1e6)
+    step = c["mean_step_time_s"]
+    return {"step_s": step, "compute_s": compute, "compute_basis": "shared" if cs else "alone",
+            "compression_s": compression, "wire_s": wire, "busiest_link_bytes_per_step": _busiest_link_bytes(c),
+            "waiting_s": step - compute - wire}
+
+
+def add_ratios(results: dict) -> None:
+    """Per (hosts, bandwidth) group: each ok cell's time per epoch over Horovod dense (the best
+    ``dense`` row) and over the best baseline (the best ``dense`` or ``baseline`` row)."""
+    groups: Dict[tuple, List[dict]] = {}
+    for c in results["cells"]:
+        groups.setdefault((c["hosts"], c["bandwidth"]), []).append(c)
+    results["groups"] = []
+    for (h, bw), cells in groups.items():
+        ok = [c for c in cells if c["status"] == "ok"]
+        dense = [c for c in ok if c["role"] == "dense"]
+        base = [c for c in ok if c["role"] in ("dense", "baseline")]
+        d = min(dense, key=lambda c: c["time_per_epoch_s"]) if dense else None
+        b = min(base, key=lambda c: c["time_per_epoch_s"]) if base else None
+        for c in ok:
+            c["vs_dense"] = c["time_per_epoch_s"] / d["time_per_epoch_s"] if d else None
+            c["vs_best_baseline"] = c["time_per_epoch_s"] / b["time_per_epoch_s"] if b else None
+            c["accuracy_minus_dense"] = (c["final_test_accuracy"] - d["final_test_accuracy"]) if d else None
+            co = results.get("compute_only", {}).get(c["method"])
+            c["vs_compute_only"] = (c["mean_step_time_s"] / co["mean_step_time_s"]
+                                    if co and co.get("status") == "ok" and co["mean_step_time_s"] else None)
+            cs = results.get("compute_only_shared", {}).get(f"{c['method']}@{c['hosts']}")
+            c["vs_compute_only_shared"] = (c["mean_step_time_s"] / cs["mean_step_time_s"]
+                                           if cs and cs.get("status") == "ok" and cs["mean_step_time_s"]
+                                           else None)
+        for c in ok:
+            c["breakdown"] = breakdown(c, results)
+        results["groups"].append({"hosts": h, "bandwidth": bw,
+                                  "dense": d["method"] if d else None,
+                                  "best_baseline": b["method"] if b else None})
+
+
+def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] = None,
+               on_cell: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run every cell of ``spec`` (a dict or a YAML path); returns the results (also the JSON).
+
+    ``spec["compute_only"]``: true (every method), false, or a list of method names.
+    ``on_cell(results)`` is called after every cell (e.g. to save partial results).
+    """
+    spec = load_spec(spec)
+    os.makedirs(spec["runs_dir"], exist_ok=True)
+    results: Dict[str, Any] = {"name": spec["name"], "spec": spec,
+                               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                               "cells": [], "compute_only": {}}
+    t0 = time.perf_counter()
+    co = spec["compute_only"]
+    if co:
+        for m in spec["methods"]:
+            if isinstance(co, list) and m["name"] not in co:
+                continue
+            rec = run_compute_only(m, spec, python)
+            results["compute_only"][m["name"]] = rec
+            if rec["status"] == "ok":
+                log(f"[bench] {m['name']:<22} compute-only (1 process): step "
+                    f"{rec['mean_step_time_s'] * 1e3:8.1f} ms")
+            else:
+                log(f"[bench] {m['name']:<22} compute-only: FAILED ({rec['error']})")
+    cs = spec.get("compute_only_shared", False)
+    results["compute_only_shared"] = {}
+    if cs:
+        for h in spec["hosts"]:
+            for m in spec["methods"]:
+                if isinstance(cs, list) and m["name"] not in cs:
+                    continue
+                rec = run_compute_only(m, spec, python, copies=int(h))
+                results["compute_only_shared"][f"{m['name']}@{h}"] = rec
+                log(f"[bench] {m['name']:<22} compute-only, {h} processes at once: "
+                    + (f"step {rec['mean_step_time_s'] * 1e3:8.1f} ms" if rec["status"] == "ok"
+                       else f"FAILED ({rec['error']})"))
+    for h in spec["hosts"]:
+        for bw in spec["bandwidths"]:
+            for m in spec["methods"]:
+                cell = run_cell(m, int(h), str(bw), spec, python)
+                results["cells"].append(cell)
+                log(_fmt_line(cell))
+                if on_cell is not None:
+                    on_cell(results)
+    results["bench_time_s"] = time.perf_counter() - t0
+    add_ratios(results)
+    return results
+
+
+# ----------------------------------------------------------------------------- output
+
+def _f(x, fmt="{:.1f}", none="-"):
+    if x is None:
+        return none
+    try:
+        return fmt.format(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def markdown(results: dict) -> str:
+    spec = results["spec"]
+    out = [f"# Benchmark `{results['name']}`", "",
+           f"Generated by `hgsgc bench` on {results['started_utc']} ({results['machine']['cpus']} CPUs); "
+           f"spec: {', '.join(spec['overrides']) or 'no overrides'}; extra mpirun args: "
+           f"{' '.join(spec['mpi_args']) or 'none'}.",
+           "Time per epoch = mean step time x steps of a full 60,000-image epoch for the method's global "
+           "batch. Bytes are per rank per step: hgsgc's count (`bytes_sent_per_step_per_rank`) and the "
+           "interface counters (mean over hosts of tx bytes during the whole mpirun / training steps, so "
+           "launch, initial broadcast and evaluation are included). Accuracy is after the truncated "
+           "budget only (indicative). `load` = the machine's 1-minute load average when the cell "
+           "started (other jobs share its CPUs).", ""]
+    for g in results.get("groups", []):
+        h, bw = g["hosts"], g["bandwidth"]
+        out += [f"## {h} hosts, {bw}", "",
+                f"Horovod dense = `{g['dense']}`, best baseline = `{g['best_baseline']}` (fastest in this run).", "",
+                "| method | role | status | step ms | compute-only ms (1 proc) | x compute | "
+                f"compute-only ms ({h} procs) | x that | epoch s | vs dense | "
+                "vs best baseline | sent kB/step/rank (hgsgc) | iface kB/step/rank | compr. ratio | test acc | load |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in results["cells"]:
+            if (c["hosts"], c["bandwidth"]) != (h, bw):
+                continue
+            if c["status"] != "ok":
+                err = str(c["error"]).replace("|", "/").replace("\n", " ")[:160]
+                out.append(f"| {c['method']} | {c['role']} | **failed**: {err} |" + " - |" * 13)
+                continue
+            co = results["compute_only"].get(c["method"], {})
+            cs = results.get("compute_only_shared", {}).get(f"{c['method']}@{h}", {})
+            out.append("| " + " | ".join([
+                c["method"], c["role"], "ok",
+                _f(c["mean_step_time_s"] * 1e3),
+                _f(co.get("mean_step_time_s") and co["mean_step_time_s"] * 1e3),
+                _f(c.get("vs_compute_only"), "{:.2f}x"),
+                _f(cs.get("mean_step_time_s") and cs["mean_step_time_s"] * 1e3),
+                _f(c.get("vs_compute_only_shared"), "{:.2f}x"),
+                _f(c["time_per_epoch_s"]),
+                _f(c.get("vs_dense"), "{:.3f}"),
+                _f(c.get("vs_best_baseline"), "{:.3f}"),
+                _f(c["bytes_sent_per_step_per_rank"] / 1e3),
+                _f(c["iface_tx_bytes_per_step_per_rank"] / 1e3),
+                _f(c["compression_ratio"]),
+                _f(c["final_test_accuracy"], "{:.4f}"),
+                _f((c.get("load_before") or [None])[0]),
+            ]) + " |")
+        out.append("")
+        rows = [c for c in results["cells"] if (c["hosts"], c["bandwidth"]) == (h, bw)
+                and c["status"] == "ok" and c.get("breakdown")]
+        if rows:
+            out += ["Where a step's time goes (ms; compute = compute-only step, measured with "
+                    f"{h} processes at once where available, else alone; compression = the method's "
+                    "compute-only step minus dense's; wire = busiest link's bytes x 1.05 at the link rate; "
+                    "waiting = the rest):", "",
+                    "| method | step | compute | (basis) | compression | wire | waiting | busiest link kB/step |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for c in rows:
+                b = c["breakdown"]
+                out.append("| " + " | ".join([
+                    c["method"], _f(b["step_s"] * 1e3), _f(b["compute_s"] * 1e3), b["compute_basis"],
+                    _f(b["compression_s"] and b["compression_s"] * 1e3), _f(b["wire_s"] * 1e3),
+                    _f(b["waiting_s"] * 1e3), _f(b["busiest_link_bytes_per_step"] / 1e3)]) + " |")
+            out.append("")
+    out.append(f"Whole matrix: {results.get('bench_time_s', 0):.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+def plots(results: dict, out_dir: str, name: str) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    ok = [c for c in results["cells"] if c["status"] == "ok"]
+    if not ok:
+        return paths
+    methods = list(dict.fromkeys(c["method"] for c in ok))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for h in sorted({c["hosts"] for c in ok}):
+        for m in methods:
+            pts = sorted((c["bandwidth_mbit"], c["time_per_epoch_s"]) for c in ok
+                         if c["method"] == m and c["hosts"] == h)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{m} ({h} hosts)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link bandwidth (Mbit/s)")
+    ax.set_ylabel("time per epoch (s, from mean step time)")
+    ax.set_title(f"{name}: time per epoch vs bandwidth")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"{name}_epoch_time.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in ok:
+        xs, ys, t = [], [], 0.0
+        for e in c.get("accuracy_curve") or []:
+            t += e.get("epoch_time_s") or 0.0
+            xs.append(t)
+            ys.append(e["test_accuracy"])
+        if not xs:
+            xs, ys = [c["wall_time_s"]], [c["final_test_accuracy"]]
+        ax.plot(xs, ys, "o-", label=f"{c['method']} {c['hosts']}h {c['bandwidth']}")
+    ax.set_xlabel("training wall time (s, truncated epochs)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{name}: accuracy vs wall time (short budget: indicative)")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"{name}_accuracy.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_outputs(results: dict, out_dir: Optional[str] = None, name: Optional[str] = None) -> Dict[str, str]:
+    out_dir = out_dir or results["spec"]["out_dir"]
+    name = name or results["name"]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, f"{name}.json"), "md": os.path.join(out_dir, f"{name}.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    with open(paths["md"], "w") as f:
+        f.write(markdown(results))
+    try:
+        for i, p in enumerate(plots(results, out_dir, name)):
+            paths[f"png{i}"] = p
+    except Exception as exc:  # plotting must not lose the measured numbers
+        print(f"[bench] plots failed: {exc}", file=sys.stderr)
+    return paths
+
+
+def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = None) -> int:
+    """``hgsgc bench SPEC [--out NAME]``: run the matrix, write JSON, Markdown and PNGs.
+
+    Given a results JSON (``docs/benchmarks/NAME.json``) instead of a spec, it only re-renders
+    the Markdown, ratios and plots from the stored measurements (no runs).
+    """
+    if spec_path.endswith(".json"):
+        with open(spec_path) as f:
+            results = json.load(f)
+        add_ratios(results)
+        paths = write_outputs(results, out_dir=out_dir or os.path.dirname(spec_path) or ".",
+                              name=out or results["name"])
+        print("[bench] re-rendered " + ", ".join(paths.values()), flush=True)
+        return 0
+    try:
+        spec = load_spec(spec_path)
+    except (OSError, SpecError) as exc:
+        print(f"hgsgc: bench: {exc}", file=sys.stderr)
+        return 2
+    if out:
+        spec["name"] = out
+    if out_dir:
+        spec["out_dir"] = out_dir
+    os.makedirs(spec["out_dir"], exist_ok=True)
+    partial = os.path.join(spec["out_dir"], f"{spec['name']}.partial.json")
+
+    def save_partial(res):
+        with open(partial, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+
+    results = run_matrix(spec, log=lambda s: print(s, flush=True), on_cell=save_partial)
+    if os.path.exists(partial):
+        os.remove(partial)
+    paths = write_outputs(results)
+    print("[bench] wrote " + ", ".join(paths.values()), flush=True)
+    return 0 if all(c["status"] == "ok" for c in results["cells"]) else 1
