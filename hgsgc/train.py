@@ -48,6 +48,30 @@ def density_schedule(c):
     return density
 
 
+def summary_base(cfg, run_id, history, total_steps, size, layout, parameters, compression,
+                 step_times, first_step_time, wall) -> dict:
+    """The summary.json keys every layout shares (accuracy, sizes, settings, times in seconds)."""
+    last = history[-1]
+    return {
+        "run_id": run_id,
+        "final_test_accuracy": last["test_accuracy"],
+        "final_test_loss": last["test_loss"],
+        "final_train_loss": last["train_loss"],
+        "epochs": cfg.train.epochs,
+        "steps": total_steps,
+        "world_size": size,
+        "layout": layout,
+        "model": cfg.model.name,
+        "parameters": parameters,
+        "compression": compression.to_dict(),
+        "mean_step_time_s": float(np.mean(step_times)) if step_times else 0.0,
+        "first_step_time_s": first_step_time,
+        "wall_time_s": wall,
+        "seed": cfg.run.seed,
+        "batch_size_per_rank": cfg.train.batch_size,
+    }
+
+
 def byte_figures(counts: dict, steps: int, size: int, grad_bytes: int) -> dict:
     """Per-step-per-rank byte figures of summary.json from :class:`CommStats` count deltas.
 
@@ -225,25 +249,10 @@ def run(cfg, log=print) -> dict:
     if metrics_f:
         metrics_f.close()
 
-    last = history[-1]
     summary = {
-        "run_id": run_id,
-        "final_test_accuracy": last["test_accuracy"],
-        "final_test_loss": last["test_loss"],
-        "final_train_loss": last["train_loss"],
-        "epochs": cfg.train.epochs,
-        "steps": total_steps,
-        "world_size": size,
-        "layout": cfg.layout,
-        "model": cfg.model.name,
-        "parameters": d,
-        "compression": compression.to_dict(),
-        "mean_step_time_s": float(np.mean(step_times)) if step_times else 0.0,
-        "first_step_time_s": first_step_time,
-        "wall_time_s": wall,
+        **summary_base(cfg, run_id, history, total_steps, size, cfg.layout, d, compression,
+                       step_times, first_step_time, wall),
         **byte_figures(stats.snapshot(), total_steps, size, grad_bytes),
-        "seed": cfg.run.seed,
-        "batch_size_per_rank": cfg.train.batch_size,
     }
     if is_root:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -148,7 +148,7 @@ def run(cfg, log=print) -> dict:
     is_root = rank == 0
     check_fc_workers(size, cfg.hourglass.fc_workers)  # sizes only: same verdict on every rank
 
-    from hgsgc.train import _setup_threads, _Warmup
+    from hgsgc.train import _setup_threads, _Warmup, summary_base
 
     threads = _setup_threads(cfg.train.threads)
     import tensorflow as tf
@@ -285,26 +285,12 @@ def run(cfg, log=print) -> dict:
     snaps = layout.p2p.allgather(tot)
     roles = role_figures(snaps, layout, d_role, total_steps, comp_dicts)
     step_times_root = layout.p2p.bcast(step_times, root=0)
-    last = history[-1]
     summary = {
-        "run_id": run_id,
-        "final_test_accuracy": last["test_accuracy"],
-        "final_test_loss": last["test_loss"],
-        "final_train_loss": last["train_loss"],
-        "epochs": cfg.train.epochs,
-        "steps": total_steps,
-        "world_size": size,
-        "layout": "hourglass",
-        "model": cfg.model.name,
-        "parameters": d,
-        "compression": compression.to_dict(),
-        "mean_step_time_s": float(np.mean(step_times_root)) if step_times_root else 0.0,
-        "first_step_time_s": layout.p2p.bcast(first_step_time, root=0),
-        "wall_time_s": layout.p2p.bcast(wall, root=0),
+        **summary_base(cfg, run_id, history, total_steps, size, "hourglass", d, compression,
+                       step_times_root, layout.p2p.bcast(first_step_time, root=0),
+                       layout.p2p.bcast(wall, root=0)),
         **_totals(roles, size, d),
         "exchanges": roles["conv"]["exchanges"],
-        "seed": cfg.run.seed,
-        "batch_size_per_rank": b,
         "global_batch_size": C * b,
         "roles": roles,
         "hourglass": {
