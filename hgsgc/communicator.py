@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import horovod.tensorflow as hvd
-import numpy as np
 import tensorflow as tf
 
 from hgsgc import hierarchy as hier
@@ -276,12 +275,4 @@ class Exchanger:
     # ----------------------------------------------------------------------------------------
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
         """The rank's payload in bytes for one exchange of float32 tensors of ``shapes``."""
-        comp = self.compression
-        total = 0
-        for s in shapes:
-            numel = int(np.prod(s)) if len(s) else 1
-            if isinstance(comp, SparseCompression):
-                total += codec.payload_length(numel, num_selected(numel, comp.density), comp.bits)
-            else:
-                total += comp.wire_bytes_per_entry * numel
-        return total
+        return codec.exchange_payload_bytes(self.compression, shapes)

@@ -457,11 +457,7 @@ def exchange(tensors, names, *, compression, memory, stats, process_set, rank: i
     actually handed to / returned by Horovod (payload bytes), ``messages`` the point-to-point
     payloads sent, ``rounds`` the plan's rounds.
     """
-    import horovod.tensorflow as hvd
     import tensorflow as tf
-
-    from hgsgc.compression import codec
-    from hgsgc.compression.sparsify import num_selected
 
     # The graph built here depends on the rank (merge, adopt or idle per round). Inside a name
     # scope of its own it cannot shift the auto-generated names of ops built after it, which

@@ -100,3 +100,23 @@ def decode(payload: tf.Tensor, numel: int, k: int, bits: int):
         indices = ops.unpack_bits(payload[:idx_bytes], w, k)
         values = _bytes_to_f32(payload[idx_bytes:])
     return indices, values
+
+
+def exchange_payload_bytes(compression, shapes) -> int:
+    """A rank's payload in bytes for one exchange of float32 tensors of ``shapes``.
+
+    Sparse settings: the sum of :func:`payload_length` with ``k = num_selected(numel, density)``;
+    dense settings: ``wire_bytes_per_entry * numel`` (4 for fp32, 2 for fp16).
+    """
+    from hgsgc.compression import SparseCompression, as_compression
+    from hgsgc.compression.sparsify import num_selected
+
+    comp = as_compression(compression)
+    total = 0
+    for s in shapes:
+        numel = int(math.prod(s)) if len(s) else 1
+        if isinstance(comp, SparseCompression):
+            total += payload_length(numel, num_selected(numel, comp.density), comp.bits)
+        else:
+            total += comp.wire_bytes_per_entry * numel
+    return total

@@ -137,19 +137,10 @@ def format_report(report: dict) -> str:
 
 
 def payload_bytes(compression, shapes) -> int:
-    """Payload of one exchange of float32 tensors of ``shapes`` under ``compression``."""
-    from hgsgc.compression import SparseCompression, as_compression, codec
-    from hgsgc.compression.sparsify import num_selected
+    """Payload of one exchange of float32 tensors of ``shapes`` under ``compression`` (bytes)."""
+    from hgsgc.compression.codec import exchange_payload_bytes
 
-    comp = as_compression(compression)
-    total = 0
-    for s in shapes:
-        numel = int(math.prod(s)) if len(s) else 1
-        if isinstance(comp, SparseCompression):
-            total += codec.payload_length(numel, num_selected(numel, comp.density), comp.bits)
-        else:
-            total += comp.wire_bytes_per_entry * numel
-    return total
+    return exchange_payload_bytes(compression, shapes)
 
 
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
