@@ -160,6 +160,9 @@ def validate(cfg: Config) -> None:
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
+    if c.hierarchy != "allgather" and c.method not in ("topk", "sgc"):
+        bad("compression.hierarchy", c.hierarchy, f"method {c.method} exchanges dense tensors: "
+                                                  "hierarchies apply to topk and sgc only")
     if c.momentum_correction and (c.method not in ("topk", "sgc") or c.delay != 1):
         bad("compression.momentum_correction", True, "needs method topk or sgc with delay=1")
     if c.selector not in ("exact", "sampled"):
@@ -203,7 +206,8 @@ def compression_from_config(c: CompressionConfig):
         return Compression.localsgd(c.delay)
     if c.method == "topk":
         return Compression.topk(c.density, bits=c.bits, selector=c.selector,
-                                error_feedback=c.error_feedback)
+                                error_feedback=c.error_feedback, hierarchy=c.hierarchy,
+                                momentum_correction=c.momentum_correction)
     return Compression.sgc(c.density, bits=c.bits, delay=c.delay, hierarchy=c.hierarchy,
                            selector=c.selector, error_feedback=c.error_feedback,
                            momentum_correction=c.momentum_correction)

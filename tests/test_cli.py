@@ -33,10 +33,20 @@ def test_configs_load():
     ("bogus=1", "unknown config key 'bogus'"),
     ("train.epochs=abc", "train.epochs"),
     ("compression.method=magic", "compression.method"),
+    ("compression.method=fp16 compression.delay=1 compression.hierarchy=tree", "compression.hierarchy"),
 ])
 def test_bad_config_values_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
-        load_config(CFG, [override])
+        load_config(CFG, override.split())
+
+
+def test_topk_keeps_hierarchy_and_momentum_correction():
+    from hgsgc.config import compression_from_config
+
+    cfg = load_config(CFG, ["compression.method=topk", "compression.delay=1", "compression.hierarchy=tree",
+                            "compression.momentum_correction=true"])
+    comp = compression_from_config(cfg.compression)
+    assert comp.method == "topk" and comp.hierarchy == "tree" and comp.momentum_correction
 
 
 def test_missing_config_file():

@@ -156,7 +156,8 @@ def test_compression_settings_validate():
     assert Compression.topk(0.01).bits == 32
     for kw, msg in [({"density": 0}, "density"), ({"density": 2}, "density"),
                     ({"density": 0.1, "delay": 0}, "delay"), ({"density": 0.1, "bits": 3}, "bits"),
-                    ({"density": 0.1, "hierarchy": "ring"}, "hierarchy")]:
+                    ({"density": 0.1, "hierarchy": "ring"}, "hierarchy"),
+                    ({"density": "0.01"}, "density")]:
         with pytest.raises(ValueError, match=msg):
             SparseCompression(**kw)
     assert Compression.sgc(0.01, delay=4).to_dict()["delay"] == 4

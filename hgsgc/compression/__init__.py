@@ -88,6 +88,8 @@ class SparseCompression:
     momentum_correction: bool = False
 
     def __post_init__(self):
+        if isinstance(self.density, (str, bytes, bool)):
+            raise ValueError(f"density must be a number in (0, 1], got {self.density!r}")
         try:
             d = float(self.density)
         except (TypeError, ValueError):
@@ -133,9 +135,11 @@ class Compression:
 
     @staticmethod
     def topk(density: float, bits: int = 32, selector: str = "exact",
-             error_feedback: bool = True) -> SparseCompression:
+             error_feedback: bool = True, hierarchy: str = "allgather",
+             momentum_correction: bool = False) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
-                                 error_feedback=error_feedback, method="topk")
+                                 error_feedback=error_feedback, method="topk",
+                                 hierarchy=hierarchy, momentum_correction=momentum_correction)
 
     @staticmethod
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
