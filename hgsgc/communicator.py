@@ -14,6 +14,11 @@ ring model of DESIGN.md:
 
 * dense: payload ``w d`` (w = 4 fp32, 2 fp16); sent = received = ``2 (n - 1) / n * w d``;
 * allgather: sent = received = ``(n - 1) P`` (every rank's payload crosses every other link);
+* TernGrad (``Compression.terngrad``): one ``allreduce(op=Max)`` of one float32 scale per tensor
+  (ring model on ``4 L`` bytes) plus the allgather of the 2-bit codes, ``(n - 1) C`` with
+  ``C = sum ceil(numel / 4)``;
+* PowerSGD (``Compression.powersgd``): two fp32 ring allreduces, of the ``P`` factors (plus the
+  uncompressed tensors) and of the ``Q`` factors: ``2 (n - 1) / n`` times each one's bytes;
 * tree / node (``hierarchy=``, :mod:`hgsgc.hierarchy`): top-k reduction in
   ``ceil(log2 n) + [n not a power of two]`` rounds of one payload per message; the busiest rank
   moves ``(floor(log2 n) + 2) P``; see :mod:`hgsgc.hierarchy` for the per-rank formulas.
@@ -30,9 +35,12 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hgsgc import hierarchy as hier
-from hgsgc.compression import DenseCompression, SparseCompression, as_compression, codec
+from hgsgc.compression import (DenseCompression, PowerSGDCompression, SparseCompression,
+                               TernGradCompression, as_compression, codec, powersgd, terngrad)
 from hgsgc.compression.memory import ResidualMemory
 from hgsgc.compression.sparsify import exact_topk, num_selected, sampled_threshold_topk
+
+_COMPRESSED = (SparseCompression, TernGradCompression, PowerSGDCompression)
 
 STAT_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
              "dense_bytes", "messages", "rounds")
@@ -102,6 +110,7 @@ class Exchanger:
         self._seed_step = None
         self.node_sizes = node_sizes
         self._plan = None
+        self._powersgd_q = {}
         self._uid = Exchanger._instances
         Exchanger._instances += 1
 
@@ -185,7 +194,7 @@ class Exchanger:
                 t = tf.convert_to_tensor(t)
             if t.shape.num_elements() == 0:
                 out[i] = t
-            elif isinstance(self.compression, SparseCompression) and t.dtype.is_floating:
+            elif isinstance(self.compression, _COMPRESSED) and t.dtype.is_floating:
                 sparse_pos.append((i, t))
             else:
                 dense_pos.append((i, t))
@@ -193,7 +202,9 @@ class Exchanger:
             for (i, _), r in zip(dense_pos, self._dense([t for _, t in dense_pos])):
                 out[i] = r
         if sparse_pos:
-            res = self._sparse([t for _, t in sparse_pos], [names[i] for i, _ in sparse_pos])
+            method = {TernGradCompression: self._terngrad, PowerSGDCompression: self._powersgd}.get(
+                type(self.compression), self._sparse)
+            res = method([t for _, t in sparse_pos], [names[i] for i, _ in sparse_pos])
             for (i, _), r in zip(sparse_pos, res):
                 out[i] = r
         return out
@@ -271,6 +282,102 @@ class Exchanger:
             with tf.control_dependencies([upd]):
                 results.append(tf.cast(avg, t.dtype))
         return results
+
+    # ----------------------------------------------------------------------------------------
+    def _terngrad(self, tensors, names):
+        """TernGrad (Wen et al. 2017): shared-scale stochastic ternary codes, allgathered."""
+        comp: TernGradCompression = self.compression
+        n, ps = self.size, self.process_set
+        step = tf.identity(self.stats.vars["exchanges"])
+        flats = [terngrad.clip(tf.reshape(t, [-1]), comp.clip_sigma) for t in tensors]
+        local_max = tf.stack([tf.reduce_max(tf.abs(f)) for f in flats])
+        scale = (hvd.allreduce(local_max, op=hvd.Max, process_set=ps,
+                               name=f"hgsgc_terngrad_scale_{self._uid}") if n > 1 else local_max)
+        payloads, sizes = [], []
+        for i, f in enumerate(flats):
+            numel = int(f.shape[0])
+            u = terngrad.draw_uniform(numel, step, self.rank, i)
+            payloads.append(terngrad.encode(terngrad.ternarize(f, scale[i], u)))
+            sizes.append(terngrad.code_bytes(numel))
+        buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
+        C, L = sum(sizes), len(flats)
+        gathered = tf.reshape(hvd.allgather(buf, process_set=ps) if n > 1 else buf, [n, C])
+        scale_bytes = terngrad.SCALE_BYTES * L
+        d = sum(int(f.shape[0]) for f in flats)
+        upd = self.stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=C + scale_bytes,
+                             bytes_sent=(n - 1) * C + _ring_allreduce_bytes(n, scale_bytes),
+                             bytes_received=(n - 1) * C + _ring_allreduce_bytes(n, scale_bytes),
+                             dense_bytes=_ring_allreduce_bytes(n, 4 * d), messages=2,
+                             rounds=hier.allgather_rounds(n) + 2 * (n - 1))
+        results, off = [], 0
+        for i, (t, f, c) in enumerate(zip(tensors, flats, sizes)):
+            numel = int(f.shape[0])
+            total = tf.add_n([terngrad.decode(gathered[r, off:off + c], numel) for r in range(n)])
+            off += c
+            avg = tf.cast(total, tf.float32) * (scale[i] / float(n))
+            with tf.control_dependencies([upd]):
+                results.append(tf.cast(tf.reshape(avg, t.shape), t.dtype))
+        return results
+
+    def _powersgd_factor(self, name, p, q):
+        if name not in self._powersgd_q:
+            with tf.init_scope():
+                self._powersgd_q[name] = tf.Variable(
+                    powersgd.initial_q(name, p, q), trainable=False,
+                    name="hgsgc_powersgd_q/" + name.replace(":", "_"))
+        return self._powersgd_q[name]
+
+    def _powersgd(self, tensors, names):
+        """PowerSGD (Vogels et al. 2019, Algorithm 1): rank-q power iteration, error feedback."""
+        comp: PowerSGDCompression = self.compression
+        n, ps = self.size, self.process_set
+        mats, ms, dense = [], [], []  # mats: (position, m, p, q, name)
+        for i, (t, name) in enumerate(zip(tensors, names)):
+            mpq = powersgd.matrix_shape(t.shape, comp.rank)
+            if mpq is None:
+                dense.append(i)
+                continue
+            m, p, q = mpq
+            mat = tf.reshape(tf.cast(t, tf.float32), [m, p])
+            if comp.error_feedback:
+                mat = self.memory.compensate(name, mat)
+            mats.append((i, m, p, q, name))
+            ms.append(mat)
+
+        def allreduce(xs, tag):
+            if n == 1 or not xs:
+                return list(xs)
+            return hvd.grouped_allreduce(list(xs), op=hvd.Average, process_set=ps,
+                                         name=f"hgsgc_powersgd_{tag}_{self._uid}")
+
+        first = [tf.matmul(mat, self._powersgd_factor(name, p, q))
+                 for mat, (_, _, p, q, name) in zip(ms, mats)]
+        first += [tf.cast(tensors[i], tf.float32) for i in dense]
+        first = allreduce(first, "p")
+        p_hat = [powersgd.orthogonalize(pm) for pm in first[:len(mats)]]
+        q_new = allreduce([tf.matmul(mat, ph, transpose_a=True) for mat, ph in zip(ms, p_hat)], "q")
+        out = [None] * len(tensors)
+        updates = []
+        for mat, ph, qn, (i, _, _, _, name) in zip(ms, p_hat, q_new, mats):
+            approx = tf.matmul(ph, qn, transpose_b=True)
+            out[i] = approx
+            updates.append(self._powersgd_q[name].assign(qn))
+            if comp.error_feedback:
+                updates.append(self.memory.update(name, mat, approx))
+        for i, avg in zip(dense, first[len(mats):]):
+            out[i] = avg
+        p_bytes = 4 * sum(m * q for _, m, _, q, _ in mats)
+        q_bytes = 4 * sum(p * q for _, _, p, q, _ in mats)
+        dense_bytes = 4 * sum(int(tensors[i].shape.num_elements()) for i in dense)
+        d = sum(int(t.shape.num_elements()) for t in tensors)
+        wire = _ring_allreduce_bytes(n, p_bytes + dense_bytes) + _ring_allreduce_bytes(n, q_bytes)
+        calls = 1 + (1 if mats else 0)
+        updates.append(self.stats.add(
+            exchanges=1, gradient_bytes=4 * d, payload_bytes=p_bytes + q_bytes + dense_bytes,
+            bytes_sent=wire, bytes_received=wire, dense_bytes=_ring_allreduce_bytes(n, 4 * d),
+            messages=calls, rounds=calls * 2 * (n - 1)))
+        with tf.control_dependencies(updates):
+            return [tf.cast(tf.reshape(o, t.shape), t.dtype) for o, t in zip(out, tensors)]
 
     # ----------------------------------------------------------------------------------------
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:

@@ -17,7 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from hgsgc.data import DEFAULT_PATH
 from hgsgc.models import MODELS
 
-METHODS = ("none", "fp16", "topk", "sgc", "localsgd")
+METHODS = ("none", "fp16", "topk", "sgc", "localsgd", "dgc", "terngrad", "powersgd")
+SPARSE_METHODS = ("topk", "sgc", "dgc")
 LAYOUTS = ("data_parallel", "hourglass")
 
 
@@ -59,15 +60,18 @@ class TrainConfig:
 
 @dataclass
 class CompressionConfig:
-    method: str = "sgc"  # none | fp16 | topk | sgc | localsgd
+    method: str = "sgc"  # none | fp16 | topk | sgc | localsgd | dgc | terngrad | powersgd
     density: float = 0.005
-    bits: int = 2
+    bits: Optional[int] = None  # 2 or 32; default: 2 for sgc, 32 (fp32 values) for topk and dgc
     delay: int = 1
     hierarchy: str = "allgather"
     selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
     error_feedback: bool = True
     momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
     warmup_steps: int = 0  # DGC warm-up of sparsity: density 0.25 -> 0.004 in 4 stages
+    local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
+    powersgd_rank: int = 4  # PowerSGD rank r
+    terngrad_clip_sigma: float = 2.5  # TernGrad gradient clipping at c standard deviations (0 = off)
 
 
 @dataclass
@@ -147,24 +151,35 @@ def validate(cfg: Config) -> None:
 
     if c.method not in METHODS:
         bad("compression.method", c.method, f"use one of {', '.join(METHODS)}")
-    if c.method in ("topk", "sgc") and not 0.0 < c.density <= 1.0:
+    sparse = c.method in SPARSE_METHODS
+    if sparse and not 0.0 < c.density <= 1.0:
         bad("compression.density", c.density, "must be in (0, 1], e.g. 0.005")
-    if c.bits not in (2, 32):
+    if c.bits is not None and c.bits not in (2, 32):
         bad("compression.bits", c.bits, "use 2 (2-bit values) or 32 (fp32 values)")
     if c.delay < 1:
         bad("compression.delay", c.delay, "must be an integer >= 1 (1 = synchronize every step)")
-    if c.method in ("none", "fp16", "topk") and c.delay != 1:
+    if c.method not in ("sgc", "localsgd") and c.delay != 1:
         bad("compression.delay", c.delay, f"method {c.method} synchronizes every step: use "
                                           "method=sgc or method=localsgd for delay > 1")
     from hgsgc.compression import HIERARCHIES
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
-    if c.hierarchy != "allgather" and c.method not in ("topk", "sgc"):
-        bad("compression.hierarchy", c.hierarchy, f"method {c.method} exchanges dense tensors: "
-                                                  "hierarchies apply to topk and sgc only")
-    if c.momentum_correction and (c.method not in ("topk", "sgc") or c.delay != 1):
+    if c.hierarchy != "allgather" and not sparse:
+        bad("compression.hierarchy", c.hierarchy, f"method {c.method} does not exchange top-k "
+                                                  "payloads: hierarchies apply to topk, sgc and dgc")
+    if c.momentum_correction and (not sparse or c.delay != 1):
         bad("compression.momentum_correction", True, "needs method topk or sgc with delay=1")
+    if c.local_clip_norm < 0:
+        bad("compression.local_clip_norm", c.local_clip_norm, "must be >= 0 (0 = off), e.g. 5.0")
+    if c.local_clip_norm and (not sparse or c.delay != 1):
+        bad("compression.local_clip_norm", c.local_clip_norm, "needs method topk, sgc or dgc "
+                                                              "with delay=1")
+    if c.powersgd_rank < 1:
+        bad("compression.powersgd_rank", c.powersgd_rank, "must be an integer >= 1, e.g. 4")
+    if c.terngrad_clip_sigma < 0:
+        bad("compression.terngrad_clip_sigma", c.terngrad_clip_sigma,
+            "must be >= 0 (0 = no clipping; the paper uses 2.5)")
     if c.selector not in ("exact", "sampled"):
         bad("compression.selector", c.selector, "use exact or sampled")
     if t.epochs < 1:
@@ -175,8 +190,9 @@ def validate(cfg: Config) -> None:
         bad("train.lr", t.lr, "must be > 0")
     if not 0 <= t.momentum < 1:
         bad("train.momentum", t.momentum, "must be in [0, 1)")
-    if c.warmup_steps and c.method not in ("topk", "sgc"):
-        bad("compression.warmup_steps", c.warmup_steps, "warm-up of sparsity needs method topk or sgc")
+    if c.warmup_steps and not sparse:
+        bad("compression.warmup_steps", c.warmup_steps,
+            "warm-up of sparsity needs method topk, sgc or dgc")
     for key, v in (("train.warmup_steps", t.warmup_steps), ("compression.warmup_steps", c.warmup_steps), ("train.threads", t.threads),
                    ("train.max_steps_per_epoch", t.max_steps_per_epoch),
                    ("data.train_limit", cfg.data.train_limit), ("data.test_limit", cfg.data.test_limit)):
@@ -196,21 +212,31 @@ def validate(cfg: Config) -> None:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
 
 
+def resolved_bits(c: CompressionConfig, method: Optional[str] = None) -> int:
+    """``compression.bits``, or the method's default: 2 for sgc, 32 (fp32) for topk and dgc."""
+    if c.bits is not None:
+        return c.bits
+    return 2 if (method or c.method) == "sgc" else 32
+
+
 def compression_from_config(c: CompressionConfig):
     """The ``hgsgc.Compression`` value a :class:`CompressionConfig` describes."""
-    from hgsgc.compression import Compression, DenseCompression
+    from hgsgc.compression import Compression, DenseCompression, SparseCompression
 
     if c.method in ("none", "fp16"):
         return DenseCompression(c.method)
     if c.method == "localsgd":
         return Compression.localsgd(c.delay)
-    if c.method == "topk":
-        return Compression.topk(c.density, bits=c.bits, selector=c.selector,
-                                error_feedback=c.error_feedback, hierarchy=c.hierarchy,
-                                momentum_correction=c.momentum_correction)
-    return Compression.sgc(c.density, bits=c.bits, delay=c.delay, hierarchy=c.hierarchy,
-                           selector=c.selector, error_feedback=c.error_feedback,
-                           momentum_correction=c.momentum_correction)
+    if c.method == "terngrad":
+        return Compression.terngrad(clip_sigma=c.terngrad_clip_sigma)
+    if c.method == "powersgd":
+        return Compression.powersgd(rank=c.powersgd_rank, error_feedback=c.error_feedback)
+    bits = resolved_bits(c)
+    return SparseCompression(
+        density=c.density, bits=bits, delay=c.delay, hierarchy=c.hierarchy, selector=c.selector,
+        error_feedback=c.error_feedback, method=c.method,
+        momentum_correction=c.momentum_correction or c.method == "dgc",
+        local_clip_norm=c.local_clip_norm or None)
 
 
 def to_dict(cfg: Config) -> dict:

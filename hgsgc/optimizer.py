@@ -2,7 +2,7 @@
 
 Both take the same arguments as ``horovod.tensorflow.keras.DistributedOptimizer`` /
 ``horovod.tensorflow.DistributedGradientTape``; ``compression`` additionally accepts
-``hgsgc.Compression.topk/sgc/localsgd``. Gradients are averaged through
+``hgsgc.Compression.topk/sgc/localsgd/dgc/terngrad/powersgd``. Gradients are averaged through
 :class:`hgsgc.communicator.Exchanger`; every rank applies the identical update.
 
 Communication delay (``delay=H > 1``, the "communication delay" of SGC and local SGD of
@@ -43,6 +43,25 @@ def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, 
         raise ValueError("groups/num_groups are not needed: hgsgc sends one fused payload per step")
 
 
+def local_clip(grads, compression, n: int):
+    """Deep Gradient Compression's local gradient clipping (Lin et al. 2018, Sec. 3.2).
+
+    Clips the rank's gradients (a list, ``None`` entries kept) to global L2 norm
+    ``compression.local_clip_norm / sqrt(n)``; a no-op when the setting has no
+    ``local_clip_norm``. Returns the list.
+    """
+    norm = getattr(compression, "local_clip_norm", None)
+    if not norm:
+        return list(grads)
+    keep = [i for i, g in enumerate(grads) if g is not None]
+    clipped, _ = tf.clip_by_global_norm([tf.convert_to_tensor(grads[i]) for i in keep],
+                                        float(norm) / float(n) ** 0.5)
+    out = list(grads)
+    for i, c in zip(keep, clipped):
+        out[i] = c
+    return out
+
+
 class _HgsgcOptimizerMixin:
     """Methods mixed into the wrapped Keras legacy optimizer class."""
 
@@ -71,7 +90,8 @@ class _HgsgcOptimizerMixin:
         names = _var_names(variables)
         delay = self._hgsgc_compression.delay
         if delay == 1:
-            grads = [g for g, _ in grads_and_vars]
+            grads = local_clip([g for g, _ in grads_and_vars], self._hgsgc_compression,
+                               self._hgsgc_exchanger.size)
             if getattr(self._hgsgc_compression, "momentum_correction", False):
                 avg = self._hgsgc_corrected_exchange(grads, names)
             else:
@@ -284,7 +304,8 @@ class DistributedGradientTape:
         """Local gradients of ``target`` w.r.t. ``sources`` (any nest), averaged over ranks."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat_src = tf.nest.flatten(sources)
-        flat_g = tf.nest.flatten(grads, expand_composites=False)
+        flat_g = local_clip(tf.nest.flatten(grads, expand_composites=False),
+                            self.exchanger.compression, self.exchanger.size)
         avg = self.exchanger.exchange(flat_g, _var_names(flat_src))
         return tf.nest.pack_sequence_as(grads, avg)
 

@@ -54,3 +54,60 @@ def sparse_average(inputs, density, bits):
         dense[idx] = vals
         out.append(dense)
     return (np.sum(out, axis=0) / len(out)).astype(np.float32)
+
+
+def terngrad_clip(g, clip_sigma):
+    """TernGrad's clipping to c standard deviations (Wen et al. 2017, Sec. 3.3); c = 0: none."""
+    g = np.asarray(g, np.float32)
+    if not clip_sigma or g.size == 0:
+        return g
+    bound = np.float32(clip_sigma) * np.float32(np.std(g, dtype=np.float64))
+    return np.clip(g, -bound, bound)
+
+
+def ternarize(g, scale, uniform):
+    """sign(g) where uniform < |g| / scale, else 0 (int32)."""
+    g = np.asarray(g, np.float32)
+    if scale <= 0:
+        return np.zeros(g.shape, np.int32)
+    keep = np.asarray(uniform, np.float32) < np.abs(g) / np.float32(scale)
+    return np.where(keep, np.sign(g), 0).astype(np.int32)
+
+
+def terngrad_average(per_rank, uniforms, clip_sigma):
+    """Average over ranks of TernGrad's decoded tensors: per_rank[r], uniforms[r] lists of arrays."""
+    n = len(per_rank)
+    out = []
+    for i in range(len(per_rank[0])):
+        clipped = [terngrad_clip(per_rank[r][i].ravel(), clip_sigma) for r in range(n)]
+        scale = max(float(np.max(np.abs(c))) if c.size else 0.0 for c in clipped)
+        codes = sum(ternarize(clipped[r], scale, uniforms[r][i]) for r in range(n))
+        out.append((codes.astype(np.float32) * np.float32(scale / n)).reshape(per_rank[0][i].shape))
+    return out
+
+
+def powersgd_matrix(shape, rank):
+    """(m, p, q) of PowerSGD's matrix view, or None when the tensor is sent uncompressed."""
+    if len(shape) < 2:
+        return None
+    p, m = shape[-1], int(np.prod(shape[:-1]))
+    q = min(rank, m, p)
+    return (m, p, q) if (m + p) * q < m * p else None
+
+
+def powersgd_step(mats, q0):
+    """One step of PowerSGD's Algorithm 1 over ranks (Vogels et al. 2019).
+
+    Args: mats: per-rank [m, p] float64 matrices (gradient + error); q0: the shared [p, q].
+    Returns: (approximation P Q^T [m, p], new Q [p, q]).
+    """
+    p_avg = np.mean([m @ q0 for m in mats], axis=0)
+    p_hat, _ = np.linalg.qr(p_avg)
+    q_new = np.mean([m.T @ p_hat for m in mats], axis=0)
+    return p_hat @ q_new.T, q_new
+
+
+def global_norm_clip(grads, clip_norm):
+    """tf.clip_by_global_norm's formula: g * clip / max(clip, ||(g_1, ..., g_L)||_2)."""
+    norm = np.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads))
+    return [np.asarray(g, np.float64) * clip_norm / max(clip_norm, norm) for g in grads]

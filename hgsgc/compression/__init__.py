@@ -5,12 +5,14 @@
     opt = hgsgc.DistributedOptimizer(opt, compression=hgsgc.Compression.sgc(density=0.005))
 
 Building blocks (each small, with explicit state): :mod:`.sparsify` (top-k selection),
-:mod:`.quantize` (2-bit values), :mod:`.codec` (wire payload), :mod:`.memory` (error feedback).
+:mod:`.quantize` (2-bit values), :mod:`.codec` (wire payload), :mod:`.memory` (error feedback),
+:mod:`.terngrad` (stochastic ternary values), :mod:`.powersgd` (low-rank power iteration).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 HIERARCHIES = ("allgather", "tree", "node")
 SELECTORS = ("exact", "sampled")
@@ -75,6 +77,11 @@ class SparseCompression:
             locally before sparsification (u = m u + g), u is compressed with error feedback, the
             entries that were sent are cleared from u, and the averaged update is applied with
             momentum 0. Needs delay = 1 and an optimizer with a ``momentum`` hyperparameter.
+        local_clip_norm: Deep Gradient Compression's local gradient clipping (Lin et al. 2018,
+            Sec. 3.2): before its gradient enters the residual / momentum accumulation, each
+            rank clips it to global L2 norm ``local_clip_norm / sqrt(n)`` (n ranks), so the sum
+            of the n local clips matches one global clip at ``local_clip_norm``. ``None``: off.
+            Needs delay = 1.
         method: the name reported in summaries (``"topk"`` or ``"sgc"``).
     """
 
@@ -86,6 +93,7 @@ class SparseCompression:
     error_feedback: bool = True
     method: str = "sgc"
     momentum_correction: bool = False
+    local_clip_norm: Optional[float] = None
 
     def __post_init__(self):
         if isinstance(self.density, (str, bytes, bool)):
@@ -106,9 +114,87 @@ class SparseCompression:
                              "own momentum runs the local steps")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.local_clip_norm is not None:
+            _check_positive("local_clip_norm", self.local_clip_norm, "e.g. local_clip_norm=5.0")
+            if self.delay != 1:
+                raise ValueError("local_clip_norm needs delay=1: it clips each step's gradient "
+                                 "before it is accumulated")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TernGradCompression:
+    """TernGrad: dense stochastic ternary gradients with a shared scale (Wen et al. 2017).
+
+    Per tensor g (float32, any shape), optionally clipped to ``clip_sigma`` standard deviations
+    (Sec. 3.3, c = 2.5 in the paper; ``0`` = off), every rank sends
+    ``t = sign(g) * b`` with ``b_k ~ Bernoulli(|g_k| / s)`` and ``s`` the scale shared by all
+    ranks, ``s = max over ranks of max|g|`` (the paper's scaler sharing, one small
+    ``allreduce(op=Max)`` of one float32 per tensor). ``E[s t] = g``: the estimate is unbiased.
+    Codes {-1, 0, 1} travel 2 bits each (four per byte) through one ``hvd.allgather``;
+    every rank decodes all n payloads and averages ``s * sum_r t_r / n``. No error feedback
+    (as in the paper). Payload per rank: ``ceil(numel / 4)`` bytes + 4 bytes (the scale) per
+    tensor, a compression ratio of about 16 vs fp32.
+    """
+
+    clip_sigma: float = 2.5
+    method: str = "terngrad"
+
+    def __post_init__(self):
+        if isinstance(self.clip_sigma, (str, bytes, bool)) or not float(self.clip_sigma) >= 0:
+            raise ValueError(f"clip_sigma must be a number >= 0 (0 = no clipping, the paper "
+                             f"uses 2.5), got {self.clip_sigma!r}")
+
+    @property
+    def delay(self) -> int:
+        return 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PowerSGDCompression:
+    """PowerSGD: rank-r power-iteration compression with error feedback (Vogels et al. 2019).
+
+    Each tensor with two or more dimensions is viewed as a matrix M of shape
+    ``[prod(shape[:-1]), shape[-1]]`` = ``[m, p]``; with ``q = min(rank, m, p)`` it is
+    compressed when ``(m + p) q < m p``. Algorithm 1 of the paper, per step:
+    ``M = g + e`` (error feedback); ``P = allreduce_mean(M Q)``; ``P = orthogonalize(P)``
+    (reduced QR); ``Q = allreduce_mean(M^T P)``; output ``P Q^T``; ``e = M - P Q^T``; Q is kept
+    for the next step (warm start). Q starts from the same seeded normal matrix on every rank.
+    Vectors and matrices that do not shrink are averaged densely in the first allreduce (as in
+    the paper). Payload per rank: ``4 (m + p) q`` bytes per compressed matrix plus ``4 numel``
+    per dense tensor, through two ``hvd.grouped_allreduce`` calls.
+    """
+
+    rank: int = 4
+    error_feedback: bool = True
+    method: str = "powersgd"
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"PowerSGD rank must be an integer >= 1 (e.g. rank=4), got {self.rank!r}")
+
+    @property
+    def delay(self) -> int:
+        return 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_positive(name, value, fix):
+    if isinstance(value, (str, bytes, bool)):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}: {fix}")
+    try:
+        ok = float(value) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}: {fix}")
 
 
 def _check_delay(delay):
@@ -128,6 +214,11 @@ class Compression:
       selector is the sampled threshold, whose selection equals exact top-k and costs ~1/3.5
       of it on a 1.6 M-entry tensor (``docs/benchmarks/topk.md``).
     * ``Compression.localsgd(delay)``: local SGD, dense periodic averaging (Lin et al. 2020).
+    * ``Compression.dgc(density, ...)``: Deep Gradient Compression (Lin et al. 2018): top-k
+      with error feedback, momentum correction and masking, local gradient clipping (warm-up
+      of sparsity is a training-loop schedule: ``compression.warmup_steps`` in the config).
+    * ``Compression.terngrad(clip_sigma=2.5)``: TernGrad (Wen et al. 2017).
+    * ``Compression.powersgd(rank=4)``: PowerSGD (Vogels et al. 2019).
     """
 
     none = DenseCompression("none")
@@ -153,6 +244,21 @@ class Compression:
     def localsgd(delay: int) -> DenseCompression:
         return DenseCompression("none", delay=delay)
 
+    @staticmethod
+    def dgc(density: float, local_clip_norm: Optional[float] = None, selector: str = "sampled",
+            hierarchy: str = "allgather") -> SparseCompression:
+        return SparseCompression(density=density, bits=32, delay=1, selector=selector,
+                                 method="dgc", hierarchy=hierarchy, momentum_correction=True,
+                                 local_clip_norm=local_clip_norm)
+
+    @staticmethod
+    def terngrad(clip_sigma: float = 2.5) -> TernGradCompression:
+        return TernGradCompression(clip_sigma=clip_sigma)
+
+    @staticmethod
+    def powersgd(rank: int = 4, error_feedback: bool = True) -> PowerSGDCompression:
+        return PowerSGDCompression(rank=rank, error_feedback=error_feedback)
+
 
 def as_compression(compression):
     """Normalise a compression argument: hgsgc settings, or Horovod's ``Compression.none/fp16``.
@@ -160,7 +266,7 @@ def as_compression(compression):
     Raises:
         TypeError: anything else, naming the accepted values.
     """
-    if isinstance(compression, (DenseCompression, SparseCompression)):
+    if isinstance(compression, COMPRESSIONS):
         return compression
     try:
         import horovod.tensorflow as hvd
@@ -173,4 +279,8 @@ def as_compression(compression):
         pass
     raise TypeError(
         f"compression={compression!r} is not supported: use hgsgc.Compression.none, .fp16, "
-        ".topk(density), .sgc(density, bits, delay) or .localsgd(delay)")
+        ".topk(density), .sgc(density, bits, delay), .localsgd(delay), .dgc(density), "
+        ".terngrad() or .powersgd(rank)")
+
+
+COMPRESSIONS = (DenseCompression, SparseCompression, TernGradCompression, PowerSGDCompression)

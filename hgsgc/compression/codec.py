@@ -106,16 +106,23 @@ def exchange_payload_bytes(compression, shapes) -> int:
     """A rank's payload in bytes for one exchange of float32 tensors of ``shapes``.
 
     Sparse settings: the sum of :func:`payload_length` with ``k = num_selected(numel, density)``;
-    dense settings: ``wire_bytes_per_entry * numel`` (4 for fp32, 2 for fp16).
+    TernGrad: ``ceil(numel / 4) + 4`` per tensor; PowerSGD: ``4 (m + p) q`` per compressed
+    matrix, ``4 numel`` otherwise; dense settings: ``wire_bytes_per_entry * numel`` (4 for
+    fp32, 2 for fp16).
     """
-    from hgsgc.compression import SparseCompression, as_compression
+    from hgsgc.compression import (PowerSGDCompression, SparseCompression, TernGradCompression,
+                                   as_compression, powersgd, terngrad)
     from hgsgc.compression.sparsify import num_selected
 
     comp = as_compression(compression)
     total = 0
     for s in shapes:
         numel = int(math.prod(s)) if len(s) else 1
-        if isinstance(comp, SparseCompression):
+        if isinstance(comp, TernGradCompression):
+            total += terngrad.payload_bytes(numel) if numel else 0
+        elif isinstance(comp, PowerSGDCompression):
+            total += powersgd.payload_bytes(s, comp.rank)
+        elif isinstance(comp, SparseCompression):
             total += payload_length(numel, num_selected(numel, comp.density), comp.bits)
         else:
             total += comp.wire_bytes_per_entry * numel

@@ -24,13 +24,15 @@ def fc_compression_from_config(cfg):
     section; the FC exchange always runs every step (delay 1).
     """
     from hgsgc.compression import Compression, DenseCompression
+    from hgsgc.config import resolved_bits
 
     c, m = cfg.compression, cfg.hourglass.fc_method
     if m in ("none", "fp16"):
         return DenseCompression(m)
+    bits = resolved_bits(c, m)
     if m == "topk":
-        return Compression.topk(c.density, bits=c.bits, selector=c.selector, error_feedback=c.error_feedback)
-    return Compression.sgc(c.density, bits=c.bits, delay=1, hierarchy=c.hierarchy,
+        return Compression.topk(c.density, bits=bits, selector=c.selector, error_feedback=c.error_feedback)
+    return Compression.sgc(c.density, bits=bits, delay=1, hierarchy=c.hierarchy,
                            selector=c.selector, error_feedback=c.error_feedback)
 
 
