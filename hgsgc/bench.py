@@ -180,6 +180,8 @@ def _record(run: dict) -> dict:
                             if isinstance(v, (int, float, list, str))} for r in s["roles"]}
         rec["hourglass"] = {k: s["hourglass"][k] for k in ("conv_workers", "fc_workers", "conv_parameters",
                                                             "fc_parameters") if k in s.get("hourglass", {})}
+    if "profile" in s:  # Hourglass: measured seconds per step in each phase, per role
+        rec["profile"] = s["profile"]
     return rec
 
 

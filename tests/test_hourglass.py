@@ -378,3 +378,21 @@ def test_bad_layouts_fail_on_every_rank(cases, np_, msgs):
         for msg in msgs:
             assert f"hgsgc: error on rank {r}: {msg}" in p.stderr, p.stderr[-3000:]
     assert "NO ERROR" not in p.stdout
+
+
+def test_phase_profile_means_per_role():
+    from hgsgc.hourglass.train import phase_profile
+
+    zero = {"conv_wait_s": 0.0, "fc_recv_wait_s": 0.0, "fc_compute_s": 0.0, "fc_apply_s": 0.0,
+            "fc_send_wait_s": 0.0}
+    recs = [(0, "conv", {**zero, "conv_wait_s": 0.6}, [0.5, 0.5, 0.5]),       # 0.2 s/step waiting
+            (1, "conv", {**zero, "conv_wait_s": 1.2}, [1.0, 1.0, 1.0, 1.0]),  # 0.3 s/step
+            (2, "fc", {**zero, "fc_recv_wait_s": 0.4, "fc_compute_s": 0.2, "fc_apply_s": 0.1,
+                       "fc_send_wait_s": 0.1}, [0.25, 0.25, 0.25, 0.25])]
+    p = phase_profile(recs)
+    assert p["conv"]["step_s"] == pytest.approx((0.5 + 1.0) / 2)
+    assert p["conv"]["conv_wait_s"] == pytest.approx((0.2 + 0.3) / 2)
+    assert p["conv"]["other_s"] == pytest.approx(0.75 - 0.25)
+    assert p["fc"] == pytest.approx({"step_s": 0.25, "fc_recv_wait_s": 0.1, "fc_compute_s": 0.05,
+                                     "fc_apply_s": 0.025, "fc_send_wait_s": 0.025, "other_s": 0.05})
+    assert phase_profile([(0, "conv", zero, [])]) == {}

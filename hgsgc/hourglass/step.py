@@ -32,6 +32,7 @@ training mode) in the trunk, since each CONV rank normalises its own batch.
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -44,6 +45,8 @@ TAG_MODEL = 121
 P2P_KEYS = ("activation_bytes_sent", "label_bytes_sent", "activation_grad_bytes_received",
             "activation_bytes_received", "label_bytes_received", "activation_grad_bytes_sent",
             "p2p_messages")
+# seconds spent per phase (time.perf_counter), see HourglassTrainer.phase_times()
+PHASE_KEYS = ("conv_wait_s", "fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s")
 EXCHANGE_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
                  "dense_bytes", "messages")
 
@@ -102,6 +105,7 @@ class HourglassTrainer:
         self.fc_scale = F / self.global_batch          # FC gradient: (F / B) dS_j/dtheta
         self.a_scale = C / self.global_batch           # dA: (C / B) dl/dA = (1 / b) dl/dA
         self.counts: Dict[str, int] = {k: 0 for k in P2P_KEYS}
+        self.times: Dict[str, float] = {k: 0.0 for k in PHASE_KEYS}
         self.steps = 0
         self._train_loss = np.zeros(2)  # FC ranks: sum of example losses, examples
         self._build()
@@ -163,9 +167,11 @@ class HourglassTrainer:
         y = np.ascontiguousarray(y, dtype=np.int32)
         g = np.empty_like(a)
         fc = self.layout.my_fc
+        t0 = time.perf_counter()
         reqs = [self.comm.Isend(a, dest=fc, tag=TAG_ACT), self.comm.Isend(y, dest=fc, tag=TAG_LABEL),
                 self.comm.Irecv(g, source=fc, tag=TAG_GRAD)]
         MPI.Request.Waitall(reqs)
+        self.times["conv_wait_s"] += time.perf_counter() - t0
         c = self.counts
         c["activation_bytes_sent"] += a.nbytes
         c["label_bytes_sent"] += y.nbytes
@@ -180,17 +186,27 @@ class HourglassTrainer:
         acts = [np.empty((b,) + self.a_shape, self.a_dtype) for _ in convs]
         labels = [np.empty(b, np.int32) for _ in convs]
         reqs = []
+        t0 = time.perf_counter()
         for c, a, y in zip(convs, acts, labels):
             reqs += [self.comm.Irecv(a, source=c, tag=TAG_ACT), self.comm.Irecv(y, source=c, tag=TAG_LABEL)]
         MPI.Request.Waitall(reqs)
+        t1 = time.perf_counter()
         a = np.concatenate(acts) if len(acts) > 1 else acts[0]
         y = np.concatenate(labels) if len(labels) > 1 else labels[0]
         s, g_a, grads = self._fc_grads(tf.constant(a), tf.constant(y))
         g_a = np.ascontiguousarray(g_a.numpy())
+        t2 = time.perf_counter()
         sends = [self.comm.Isend(g_a[i * b:(i + 1) * b], dest=c, tag=TAG_GRAD)
                  for i, c in enumerate(convs)]
         self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
+        t3 = time.perf_counter()
         MPI.Request.Waitall(sends)
+        t4 = time.perf_counter()
+        tm = self.times
+        tm["fc_recv_wait_s"] += t1 - t0
+        tm["fc_compute_s"] += t2 - t1
+        tm["fc_apply_s"] += t3 - t2
+        tm["fc_send_wait_s"] += t4 - t3
         cnt = self.counts
         cnt["activation_bytes_received"] += sum(x.nbytes for x in acts)
         cnt["label_bytes_received"] += sum(x.nbytes for x in labels)
@@ -310,6 +326,21 @@ class HourglassTrainer:
         out["bytes_received"] = (out["activation_bytes_received"] + out["label_bytes_received"]
                                  + out["activation_grad_bytes_received"] + out["exchange_bytes_received"])
         out["steps"] = self.steps
+        return out
+
+    def phase_times(self, reset: bool = False) -> Dict[str, float]:
+        """Seconds this rank spent in each phase since the last reset (:data:`PHASE_KEYS`).
+
+        CONV ranks: ``conv_wait_s``, from posting the activation sends to holding the activation
+        gradients (wire both ways + the FC rank's work + waiting for it); the rest of a CONV step
+        is trunk compute and the CONV gradient exchange. FC ranks: ``fc_recv_wait_s`` (waiting for
+        the CONV ranks' activations: their forward pass + the wire), ``fc_compute_s`` (head
+        forward/backward), ``fc_apply_s`` (FC exchange + update), ``fc_send_wait_s`` (activation
+        gradients still on the wire after that). The other role's keys stay 0.
+        """
+        out = dict(self.times)
+        if reset:
+            self.times = {k: 0.0 for k in PHASE_KEYS}
         return out
 
     def role_weights(self) -> np.ndarray:

@@ -36,6 +36,33 @@ def fc_compression_from_config(cfg):
                            selector=c.selector, error_feedback=c.error_feedback)
 
 
+def phase_profile(records) -> dict:
+    """Per-role mean seconds per step of each phase, from every rank's
+    ``(rank, role, trainer.phase_times(), step_times)`` (the first, tracing step excluded).
+
+    Returns:
+        ``{"conv": {...}, "fc": {...}}``, each with ``step_s`` (the role's mean step time), the
+        role's phases (``conv_wait_s``; ``fc_recv_wait_s``, ``fc_compute_s``, ``fc_apply_s``,
+        ``fc_send_wait_s``) and ``other_s`` = step_s minus the phases (CONV: trunk compute + the
+        CONV gradient exchange; FC: loop overhead), all seconds per step averaged over the role's
+        ranks.
+    """
+    keys = {"conv": ("conv_wait_s",),
+            "fc": ("fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s")}
+    out = {}
+    for role, ks in keys.items():
+        rows = [(t, st) for _, r, t, st in records if r == role and st]
+        if not rows:
+            continue
+        steps = [len(st) for _, st in rows]
+        rec = {"step_s": float(np.mean([sum(st) / n for (_, st), n in zip(rows, steps)]))}
+        for k in ks:
+            rec[k] = float(np.mean([t[k] / n for (t, _), n in zip(rows, steps)]))
+        rec["other_s"] = rec["step_s"] - sum(rec[k] for k in ks)
+        out[role] = rec
+    return out
+
+
 def _ring(n, nbytes):
     return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
@@ -241,6 +268,7 @@ def run(cfg, log=print) -> dict:
                 trainer.train_step(data.x_train[bi], data.y_train[bi])
             if first_step_time is None:  # graph tracing: reported apart, not in the mean
                 first_step_time = time.perf_counter() - t0
+                trainer.phase_times(reset=True)  # the profile covers the same steps as the mean
             else:
                 step_times.append(time.perf_counter() - t0)
             if bar is not None:
@@ -287,6 +315,8 @@ def run(cfg, log=print) -> dict:
     snaps = layout.p2p.allgather(tot)
     roles = role_figures(snaps, layout, d_role, total_steps, comp_dicts)
     step_times_root = layout.p2p.bcast(step_times, root=0)
+    profile = phase_profile(layout.p2p.allgather((layout.rank, "conv" if layout.is_conv else "fc",
+                                                  trainer.phase_times(), step_times)))
     summary = {
         **summary_base(cfg, run_id, history, total_steps, size, "hourglass", d, compression,
                        step_times_root, layout.p2p.bcast(first_step_time, root=0),
@@ -295,6 +325,7 @@ def run(cfg, log=print) -> dict:
         "exchanges": roles["conv"]["exchanges"],
         "global_batch_size": C * b,
         "roles": roles,
+        "profile": profile,
         "hourglass": {
             "conv_workers": C,
             "fc_workers": F,
