@@ -80,6 +80,7 @@ class HourglassConfig:
     split_layer: Optional[str] = None  # first FC-head layer; default: first Dense after the last conv
     fc_method: str = "none"  # compression among FC ranks: none | fp16 | topk | sgc
     link_bandwidth_mbps: float = 1000.0  # cost-model input for fc_workers=auto
+    wire_dtype: str = "float32"  # activations + activation gradients on the wire: float32 | float16
 
 
 @dataclass
@@ -208,6 +209,8 @@ def validate(cfg: Config) -> None:
         bad("hourglass.fc_workers", h.fc_workers, "use auto or an integer >= 1")
     if h.fc_method not in ("none", "fp16", "topk", "sgc"):
         bad("hourglass.fc_method", h.fc_method, "use none, fp16, topk or sgc")
+    if h.wire_dtype not in ("float32", "float16"):
+        bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
     if not h.link_bandwidth_mbps > 0:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
 

@@ -173,6 +173,14 @@ def test_cost_model_formula():
 
 # ------------------------------------------------------------------------------------------
 # configs
+def test_wire_dtype_validated():
+    from hgsgc.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"hourglass\.wire_dtype"):
+        load_config("configs/fashion_mnist.yaml", ["hourglass.wire_dtype=int8"])
+    assert load_config("configs/fashion_mnist.yaml", ["hourglass.wire_dtype=float16"]).hourglass.wire_dtype == "float16"
+
+
 def test_hourglass_configs():
     import yaml
 
@@ -236,6 +244,20 @@ def test_one_step_equals_single_process_step_on_the_union(result):
         assert o["moved"] > 1e-3, o["moved"]            # the steps changed the weights
         for step, err in enumerate(o["max_err_per_step"]):
             assert err < 1e-6, (rank, F, o["role"], step, err)
+
+
+@pytest.mark.mpi
+def test_fp16_wire_halves_p2p_bytes_and_stays_close(result):
+    B = 6
+    for rank, F, o in _layouts(result):
+        f, got = o["features"], o["fp16_bytes"]
+        m = 1 if o["role"] == "conv" else len(o["my_convs"])
+        key_a, key_g = (("activation_bytes_sent", "activation_grad_bytes_received") if o["role"] == "conv"
+                        else ("activation_bytes_received", "activation_grad_bytes_sent"))
+        assert got[key_a] == got[key_g] == m * B * f * 2, (rank, F, got)   # 2 bytes per value
+        assert got["label_bytes_sent" if o["role"] == "conv" else "label_bytes_received"] == m * B * 4
+        # fp16 rounding (relative 2^-11) of activations and their gradients: a small, nonzero error
+        assert o["fp16_err"] < 1e-3, (rank, F, o["role"], o["fp16_err"])
 
 
 @pytest.mark.mpi

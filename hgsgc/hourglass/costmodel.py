@@ -5,8 +5,9 @@ Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field me
 * ``t_conv``, ``t_fc``: seconds per example of the trunk's and of the head's forward + backward
   pass (head: with the loss and the gradient with respect to the activations), timed on this
   machine with the configured per-rank batch ``b``;
-* ``act_bytes``: bytes per example CONV -> FC (activations ``4 f`` + an int32 label 4),
-  ``grad_bytes``: bytes per example FC -> CONV (activation gradients ``4 f``);
+* ``act_bytes``: bytes per example CONV -> FC (activations ``w f`` + an int32 label 4, ``w`` = 4
+  for fp32 on the wire, 2 for ``hourglass.wire_dtype=float16``), ``grad_bytes``: bytes per
+  example FC -> CONV (activation gradients ``w f``);
 * ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
   (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_exchange`` /
   ``fc_exchange`` the algorithm (``ring`` allreduce for dense, ``allgather`` or ``tree`` for
@@ -144,8 +145,12 @@ def payload_bytes(compression, shapes) -> int:
 
 
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
-                  link_bandwidth_mbps: float, repeats: int = 3) -> CostInputs:
+                  link_bandwidth_mbps: float, repeats: int = 3,
+                  wire_dtype: str = "float32") -> CostInputs:
     """Time the trunk and the head on random data on this rank and build :class:`CostInputs`.
+
+    ``wire_dtype`` is the dtype activations and activation gradients travel in (its item size
+    sets ``act_bytes`` / ``grad_bytes``).
 
     One warm-up call (graph tracing) per stage, then the median of ``repeats`` timed calls.
     """
@@ -189,7 +194,7 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
     t_conv = timed(conv_pass, x)
     t_fc = timed(fc_pass, a, y)
     f = split.features
-    itemsize = np.dtype(split.boundary_dtype).itemsize
+    itemsize = np.dtype(wire_dtype).itemsize
     cc, fcc = as_compression(conv_compression), as_compression(fc_compression)
     return CostInputs(
         t_conv=t_conv, t_fc=t_fc, batch_size=batch_size,

@@ -45,10 +45,16 @@ TAG_MODEL = 121
 P2P_KEYS = ("activation_bytes_sent", "label_bytes_sent", "activation_grad_bytes_received",
             "activation_bytes_received", "label_bytes_received", "activation_grad_bytes_sent",
             "p2p_messages")
+WIRE_DTYPES = ("float32", "float16")
 # seconds spent per phase (time.perf_counter), see HourglassTrainer.phase_times()
 PHASE_KEYS = ("conv_wait_s", "fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s")
 EXCHANGE_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
                  "dense_bytes", "messages")
+
+
+def _raw(x: np.ndarray) -> np.ndarray:
+    """A buffer MPI can type: fp16 (no MPI datatype) travels as its uint16 bit pattern."""
+    return x.view(np.uint16) if x.dtype == np.float16 else x
 
 
 class HourglassTrainer:
@@ -65,13 +71,18 @@ class HourglassTrainer:
         compression: exchange among CONV ranks (e.g. ``Compression.sgc(...)``, delay allowed).
         fc_compression: exchange among FC ranks (``delay`` must be 1; dense by default).
         broadcast: broadcast the role's initial weights from the role's first rank.
+        wire_dtype: numpy dtype of the boundary activations and activation gradients on the
+            wire: ``"float32"`` (exact) or ``"float16"`` (half the point-to-point bytes; values
+            are rounded to fp16, relative error <= 2^-11, and overflow above 65504 raises).
+            Compute stays in the model's dtype on both sides.
 
     Raises:
-        ValueError: ``fc_compression`` with ``delay > 1``, or ``batch_size < 1``.
+        ValueError: ``fc_compression`` with ``delay > 1``, ``batch_size < 1``, or an unsupported
+            ``wire_dtype``.
     """
 
     def __init__(self, layout, split, batch_size: int, optimizer, compression=None,
-                 fc_compression=None, broadcast: bool = True):
+                 fc_compression=None, broadcast: bool = True, wire_dtype: str = "float32"):
         import horovod.tensorflow as hvd
 
         import hgsgc
@@ -85,6 +96,9 @@ class HourglassTrainer:
                              f"fc compression delay must be 1, got {fc_compression.delay}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if str(wire_dtype) not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        self.wire_dtype = np.dtype(str(wire_dtype))
         self.layout, self.split, self.batch_size = layout, split, int(batch_size)
         self.compression, self.fc_compression = compression, fc_compression
         self.comm = layout.p2p
@@ -163,13 +177,14 @@ class HourglassTrainer:
         """CONV rank: send (A, labels) to the FC rank, receive dA (inside the step's graph)."""
         from mpi4py import MPI
 
-        a = np.ascontiguousarray(a)
+        out_dtype = a.dtype
+        a = self._to_wire(a)
         y = np.ascontiguousarray(y, dtype=np.int32)
         g = np.empty_like(a)
         fc = self.layout.my_fc
         t0 = time.perf_counter()
-        reqs = [self.comm.Isend(a, dest=fc, tag=TAG_ACT), self.comm.Isend(y, dest=fc, tag=TAG_LABEL),
-                self.comm.Irecv(g, source=fc, tag=TAG_GRAD)]
+        reqs = [self.comm.Isend(_raw(a), dest=fc, tag=TAG_ACT), self.comm.Isend(y, dest=fc, tag=TAG_LABEL),
+                self.comm.Irecv(_raw(g), source=fc, tag=TAG_GRAD)]
         MPI.Request.Waitall(reqs)
         self.times["conv_wait_s"] += time.perf_counter() - t0
         c = self.counts
@@ -177,26 +192,35 @@ class HourglassTrainer:
         c["label_bytes_sent"] += y.nbytes
         c["activation_grad_bytes_received"] += g.nbytes
         c["p2p_messages"] += 3
-        return g
+        return g.astype(out_dtype, copy=False)
+
+    def _to_wire(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as a contiguous array of the wire dtype (overflow to inf raises)."""
+        w = np.ascontiguousarray(x, dtype=self.wire_dtype)
+        if w.dtype != x.dtype and not np.all(np.isfinite(w)) and np.all(np.isfinite(x)):
+            raise FloatingPointError(f"boundary values exceed the range of wire_dtype "
+                                     f"{self.wire_dtype.name} (max |x| = {np.max(np.abs(x)):.3g}): "
+                                     f"use hourglass.wire_dtype=float32")
+        return w
 
     def _fc_step(self) -> float:
         from mpi4py import MPI
 
         b, convs = self.batch_size, self.layout.my_convs
-        acts = [np.empty((b,) + self.a_shape, self.a_dtype) for _ in convs]
+        acts = [np.empty((b,) + self.a_shape, self.wire_dtype) for _ in convs]
         labels = [np.empty(b, np.int32) for _ in convs]
         reqs = []
         t0 = time.perf_counter()
         for c, a, y in zip(convs, acts, labels):
-            reqs += [self.comm.Irecv(a, source=c, tag=TAG_ACT), self.comm.Irecv(y, source=c, tag=TAG_LABEL)]
+            reqs += [self.comm.Irecv(_raw(a), source=c, tag=TAG_ACT), self.comm.Irecv(y, source=c, tag=TAG_LABEL)]
         MPI.Request.Waitall(reqs)
         t1 = time.perf_counter()
-        a = np.concatenate(acts) if len(acts) > 1 else acts[0]
+        a = (np.concatenate(acts) if len(acts) > 1 else acts[0]).astype(self.a_dtype, copy=False)
         y = np.concatenate(labels) if len(labels) > 1 else labels[0]
         s, g_a, grads = self._fc_grads(tf.constant(a), tf.constant(y))
-        g_a = np.ascontiguousarray(g_a.numpy())
+        g_a = self._to_wire(g_a.numpy())
         t2 = time.perf_counter()
-        sends = [self.comm.Isend(g_a[i * b:(i + 1) * b], dest=c, tag=TAG_GRAD)
+        sends = [self.comm.Isend(_raw(g_a[i * b:(i + 1) * b]), dest=c, tag=TAG_GRAD)
                  for i, c in enumerate(convs)]
         self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
         t3 = time.perf_counter()
@@ -267,9 +291,9 @@ class HourglassTrainer:
             fc = self.layout.my_fc
             self.comm.Send(np.array([n, batch_size], np.int64), dest=fc, tag=TAG_EVAL_HDR)
             for s in range(0, n, batch_size):
-                a = np.ascontiguousarray(self._conv_eval(tf.constant(x[s:s + batch_size])).numpy())
+                a = self._to_wire(self._conv_eval(tf.constant(x[s:s + batch_size])).numpy())
                 yy = np.ascontiguousarray(y[s:s + batch_size], dtype=np.int32)
-                MPI.Request.Waitall([self.comm.Isend(a, dest=fc, tag=TAG_EVAL_ACT),
+                MPI.Request.Waitall([self.comm.Isend(_raw(a), dest=fc, tag=TAG_EVAL_ACT),
                                      self.comm.Isend(yy, dest=fc, tag=TAG_EVAL_LABEL)])
         else:
             convs = self.layout.my_convs
@@ -285,14 +309,15 @@ class HourglassTrainer:
                     rows = min(eb, n - r * eb)
                     if rows <= 0:
                         continue
-                    a = np.empty((rows,) + self.a_shape, self.a_dtype)
+                    a = np.empty((rows,) + self.a_shape, self.wire_dtype)
                     yy = np.empty(rows, np.int32)
-                    reqs += [self.comm.Irecv(a, source=c, tag=TAG_EVAL_ACT),
+                    reqs += [self.comm.Irecv(_raw(a), source=c, tag=TAG_EVAL_ACT),
                              self.comm.Irecv(yy, source=c, tag=TAG_EVAL_LABEL)]
                     acts.append(a)
                     labels.append(yy)
                 MPI.Request.Waitall(reqs)
-                l, k = self._fc_eval(tf.constant(np.concatenate(acts)), tf.constant(np.concatenate(labels)))
+                l, k = self._fc_eval(tf.constant(np.concatenate(acts).astype(self.a_dtype, copy=False)),
+                                     tf.constant(np.concatenate(labels)))
                 sums += (float(l), float(k), sum(len(t) for t in labels))
         tot = np.zeros(3)
         self.comm.Allreduce(sums, tot, op=MPI.SUM)

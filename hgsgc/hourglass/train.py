@@ -201,7 +201,8 @@ def run(cfg, log=print) -> dict:
     cost = None
     if cfg.hourglass.fc_workers == "auto":
         cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
-                                     cfg.hourglass.link_bandwidth_mbps)
+                                     cfg.hourglass.link_bandwidth_mbps,
+                                     wire_dtype=cfg.hourglass.wire_dtype)
     layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
     C, F = layout.n_conv, layout.n_fc
     steps_per_epoch = len(data.x_train) // (C * b)
@@ -216,7 +217,7 @@ def run(cfg, log=print) -> dict:
         lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
     opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
     trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
-                               fc_compression=fc_compression)
+                               fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype)
 
     d_conv = sum(int(np.prod(v.shape)) for v in split.trunk_variables)
     d_fc = sum(int(np.prod(v.shape)) for v in split.head_variables)
@@ -338,6 +339,7 @@ def run(cfg, log=print) -> dict:
             "conv_parameters": d_conv,
             "fc_parameters": d_fc,
             "fc_compression": fc_compression.to_dict(),
+            "wire_dtype": cfg.hourglass.wire_dtype,
             "cost_model": layout.cost_report,
         },
     }

@@ -100,6 +100,24 @@ for F in LAYOUTS[n]:
                fc_shapes=[list(v.shape) for v in split.head_variables],
                process_set_ranks=list(layout.process_set.ranks))
 
+    # ---- fp16 on the wire: one step, close to the fp32 reference, half the p2p bytes ----
+    split = split_model(build_model("tiny", seed=3))
+    tr16 = HourglassTrainer(layout, split, B, sgd(), wire_dtype="float16")
+    ref16 = split_model(build_model("tiny", seed=3))
+    ref16_vars = ref16.trunk_variables if layout.is_conv else ref16.head_variables
+    if layout.is_conv:
+        tr16.train_step(*batch(0, layout.role_index))
+    else:
+        tr16.train_step()
+    xs, ys = zip(*[batch(0, c) for c in range(C)])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+            np.concatenate(ys), ref16.model(np.concatenate(xs), training=True), from_logits=True))
+    sgd().apply_gradients(zip(tape.gradient(loss, ref16.model.trainable_variables),
+                              ref16.model.trainable_variables))
+    out["fp16_err"] = float(np.max(np.abs(tr16.role_weights() - flat(ref16_vars))))
+    out["fp16_bytes"] = tr16.snapshot()
+
     # ---- sparse: SGC with delay 2 on CONV ranks, top-k on FC ranks ----
     split = split_model(build_model("tiny", seed=4))  # same layout, a new model and trainer
     tr = HourglassTrainer(layout, split, B, sgd(), compression=hgsgc.Compression.sgc(0.05, bits=2, delay=2),
