@@ -523,6 +523,23 @@ def markdown(results: dict) -> str:
                     _f(b["compression_s"] and b["compression_s"] * 1e3), _f(b["wire_s"] * 1e3),
                     _f(b["waiting_s"] * 1e3), _f(b["busiest_link_bytes_per_step"] / 1e3)]) + " |")
             out.append("")
+        prof = [c for c in results["cells"] if (c["hosts"], c["bandwidth"]) == (h, bw)
+                and c["status"] == "ok" and c.get("profile")]
+        if prof:
+            out += ["Hourglass, measured per phase (ms per step, mean over the role's ranks; CONV wait = "
+                    "from posting the activation sends to holding the activation gradients; CONV other = "
+                    "trunk compute + CONV gradient exchange; FC: waiting for activations, head compute, "
+                    "FC exchange + update, activation-gradient sends still in flight):", "",
+                    "| method | CONV step | CONV wait | CONV other | FC step | FC recv wait | FC compute "
+                    "| FC apply | FC send wait |", "|---|---|---|---|---|---|---|---|---|"]
+            for c in prof:
+                cv, fc = c["profile"].get("conv", {}), c["profile"].get("fc", {})
+                out.append("| " + " | ".join([c["method"]] + [
+                    _f(d.get(k) is not None and d[k] * 1e3 or None) for d, k in (
+                        (cv, "step_s"), (cv, "conv_wait_s"), (cv, "other_s"), (fc, "step_s"),
+                        (fc, "fc_recv_wait_s"), (fc, "fc_compute_s"), (fc, "fc_apply_s"),
+                        (fc, "fc_send_wait_s"))]) + " |")
+            out.append("")
     out.append(f"Whole matrix: {results.get('bench_time_s', 0):.0f} s.")
     return "\n".join(out) + "\n"
 
