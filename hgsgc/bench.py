@@ -645,6 +645,12 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
         with open(partial, "w") as f:
             json.dump(res, f, indent=2, default=str)
 
+    import signal
+
+    def on_term(signum, frame):  # kill/timeout: unwind so each cell's finally tears its cluster down
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     results = run_matrix(spec, log=lambda s: print(s, flush=True), on_cell=save_partial)
     if os.path.exists(partial):
         os.remove(partial)

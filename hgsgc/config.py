@@ -81,6 +81,7 @@ class HourglassConfig:
     fc_method: str = "none"  # compression among FC ranks: none | fp16 | topk | sgc
     link_bandwidth_mbps: float = 1000.0  # cost-model input for fc_workers=auto
     wire_dtype: str = "float32"  # activations + activation gradients on the wire: float32 | float16
+    micro_batches: int = 1  # pipeline the boundary exchange in this many micro-batches (1..batch_size)
 
 
 @dataclass
@@ -209,6 +210,9 @@ def validate(cfg: Config) -> None:
         bad("hourglass.fc_workers", h.fc_workers, "use auto or an integer >= 1")
     if h.fc_method not in ("none", "fp16", "topk", "sgc"):
         bad("hourglass.fc_method", h.fc_method, "use none, fp16, topk or sgc")
+    if not 1 <= h.micro_batches <= t.batch_size:
+        bad("hourglass.micro_batches", h.micro_batches,
+            f"must be an integer in 1..train.batch_size ({t.batch_size}), e.g. 4")
     if h.wire_dtype not in ("float32", "float16"):
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
     if not h.link_bandwidth_mbps > 0:

@@ -179,6 +179,9 @@ def test_wire_dtype_validated():
     with pytest.raises(ConfigError, match=r"hourglass\.wire_dtype"):
         load_config("configs/fashion_mnist.yaml", ["hourglass.wire_dtype=int8"])
     assert load_config("configs/fashion_mnist.yaml", ["hourglass.wire_dtype=float16"]).hourglass.wire_dtype == "float16"
+    for bad in ("0", "33"):  # batch_size 32
+        with pytest.raises(ConfigError, match=r"hourglass\.micro_batches"):
+            load_config("configs/fashion_mnist.yaml", [f"hourglass.micro_batches={bad}"])
 
 
 def test_hourglass_configs():
@@ -258,6 +261,20 @@ def test_fp16_wire_halves_p2p_bytes_and_stays_close(result):
         assert got["label_bytes_sent" if o["role"] == "conv" else "label_bytes_received"] == m * B * 4
         # fp16 rounding (relative 2^-11) of activations and their gradients: a small, nonzero error
         assert o["fp16_err"] < 1e-3, (rank, F, o["role"], o["fp16_err"])
+
+
+@pytest.mark.mpi
+def test_pipelined_step_equals_single_process_step(result):
+    B, M = 6, 3
+    for rank, F, o in _layouts(result):
+        assert o["pipelined_vs_fp16_ref_moved"] > 1e-3
+        assert o["pipelined_err"] < 1e-6, (rank, F, o["role"], o["pipelined_err"])
+        got, f = o["pipelined_bytes"], o["features"]
+        m = 1 if o["role"] == "conv" else len(o["my_convs"])
+        assert got["p2p_messages"] == 3 * M * m          # 3 messages per micro-batch per CONV rank
+        act = "activation_bytes_sent" if o["role"] == "conv" else "activation_bytes_received"
+        assert got[act] == m * B * f * 4                  # same bytes as unpipelined
+        assert math.isfinite(o["pipelined_loss"])
 
 
 @pytest.mark.mpi

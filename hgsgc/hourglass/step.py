@@ -18,6 +18,11 @@ One step (``b`` examples per CONV rank, ``C`` CONV ranks, ``F`` FC ranks, global
    CONV exchanger (SGC or any ``hgsgc.Compression``) averages over ``C`` ranks:
    ``(1/C) sum_i g_i = (1/B) sum_all dl_s/dtheta_conv``.
 
+With ``micro_batches = M > 1`` steps 1-2 are pipelined: each CONV rank sends its batch as M
+consecutive messages, and the FC rank runs the head on micro-batch j as soon as it has it from
+every CONV rank and sends its ``dA`` back at once, while micro-batch j + 1 is still arriving; the
+FC gradients of the M micro-batches are summed before the one FC exchange (the same sum).
+
 So with no compression one Hourglass step is one SGD step on the mean loss over the union of the
 CONV ranks' batches (tests/mpi/check_hourglass.py checks this for 2-5 ranks, uneven ``m_j``
 included). With SGC communication delay ``H > 1`` on the CONV ranks each CONV rank applies its
@@ -75,14 +80,21 @@ class HourglassTrainer:
             wire: ``"float32"`` (exact) or ``"float16"`` (half the point-to-point bytes; values
             are rounded to fp16, relative error <= 2^-11, and overflow above 65504 raises).
             Compute stays in the model's dtype on both sides.
+        micro_batches: M >= 1 (at most ``batch_size``): the boundary exchange is pipelined in M
+            micro-batches; the FC rank runs the head on each as soon as it arrived from every
+            CONV rank and sends its activation gradients back while the next one is still on
+            the wire, so the FC link carries both directions at once. The FC gradient is the sum
+            over micro-batches, so the step is the same SGD step (float summation order aside;
+            dropout in the head draws its masks per micro-batch).
 
     Raises:
         ValueError: ``fc_compression`` with ``delay > 1``, ``batch_size < 1``, or an unsupported
-            ``wire_dtype``.
+            ``wire_dtype``, or ``micro_batches`` outside 1..batch_size.
     """
 
     def __init__(self, layout, split, batch_size: int, optimizer, compression=None,
-                 fc_compression=None, broadcast: bool = True, wire_dtype: str = "float32"):
+                 fc_compression=None, broadcast: bool = True, wire_dtype: str = "float32",
+                 micro_batches: int = 1):
         import horovod.tensorflow as hvd
 
         import hgsgc
@@ -99,6 +111,11 @@ class HourglassTrainer:
         if str(wire_dtype) not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
         self.wire_dtype = np.dtype(str(wire_dtype))
+        if (not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool)
+                or not 1 <= micro_batches <= batch_size):
+            raise ValueError(f"micro_batches must be an integer in 1..batch_size={batch_size}, "
+                             f"got {micro_batches!r}")
+        self.micro_batches = int(micro_batches)
         self.layout, self.split, self.batch_size = layout, split, int(batch_size)
         self.compression, self.fc_compression = compression, fc_compression
         self.comm = layout.p2p
@@ -173,8 +190,18 @@ class HourglassTrainer:
             self._fc_grads, self._fc_apply, self._fc_eval = fc_grads, fc_apply, fc_eval
 
     # ------------------------------------------------------------------------------------
+    def _chunks(self):
+        """``[(lo, hi)]``: the micro-batches' example ranges within one CONV rank's batch."""
+        edges = np.linspace(0, self.batch_size, self.micro_batches + 1).astype(int)
+        return list(zip(edges[:-1], edges[1:]))
+
     def _conv_swap(self, a, y):
-        """CONV rank: send (A, labels) to the FC rank, receive dA (inside the step's graph)."""
+        """CONV rank: send (A, labels) to the FC rank, receive dA (inside the step's graph).
+
+        With ``micro_batches = M > 1`` the batch goes as M consecutive messages per tensor (same
+        tags: MPI keeps their order), so the FC rank can start on the first while the rest are
+        on the wire.
+        """
         from mpi4py import MPI
 
         out_dtype = a.dtype
@@ -183,15 +210,18 @@ class HourglassTrainer:
         g = np.empty_like(a)
         fc = self.layout.my_fc
         t0 = time.perf_counter()
-        reqs = [self.comm.Isend(_raw(a), dest=fc, tag=TAG_ACT), self.comm.Isend(y, dest=fc, tag=TAG_LABEL),
-                self.comm.Irecv(_raw(g), source=fc, tag=TAG_GRAD)]
+        reqs = []
+        for lo, hi in self._chunks():
+            reqs += [self.comm.Isend(_raw(a[lo:hi]), dest=fc, tag=TAG_ACT),
+                     self.comm.Isend(y[lo:hi], dest=fc, tag=TAG_LABEL),
+                     self.comm.Irecv(_raw(g[lo:hi]), source=fc, tag=TAG_GRAD)]
         MPI.Request.Waitall(reqs)
         self.times["conv_wait_s"] += time.perf_counter() - t0
         c = self.counts
         c["activation_bytes_sent"] += a.nbytes
         c["label_bytes_sent"] += y.nbytes
         c["activation_grad_bytes_received"] += g.nbytes
-        c["p2p_messages"] += 3
+        c["p2p_messages"] += len(reqs)
         return g.astype(out_dtype, copy=False)
 
     def _to_wire(self, x: np.ndarray) -> np.ndarray:
@@ -204,41 +234,54 @@ class HourglassTrainer:
         return w
 
     def _fc_step(self) -> float:
+        """FC rank: per micro-batch, wait for it from every CONV rank, run the head, send the
+        activation gradients back at once (they travel while the next micro-batch arrives);
+        then one FC exchange + update with the summed gradients."""
         from mpi4py import MPI
 
         b, convs = self.batch_size, self.layout.my_convs
         acts = [np.empty((b,) + self.a_shape, self.wire_dtype) for _ in convs]
         labels = [np.empty(b, np.int32) for _ in convs]
-        reqs = []
-        t0 = time.perf_counter()
-        for c, a, y in zip(convs, acts, labels):
-            reqs += [self.comm.Irecv(_raw(a), source=c, tag=TAG_ACT), self.comm.Irecv(y, source=c, tag=TAG_LABEL)]
-        MPI.Request.Waitall(reqs)
-        t1 = time.perf_counter()
-        a = (np.concatenate(acts) if len(acts) > 1 else acts[0]).astype(self.a_dtype, copy=False)
-        y = np.concatenate(labels) if len(labels) > 1 else labels[0]
-        s, g_a, grads = self._fc_grads(tf.constant(a), tf.constant(y))
-        g_a = self._to_wire(g_a.numpy())
-        t2 = time.perf_counter()
-        sends = [self.comm.Isend(_raw(g_a[i * b:(i + 1) * b]), dest=c, tag=TAG_GRAD)
-                 for i, c in enumerate(convs)]
-        self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
-        t3 = time.perf_counter()
-        MPI.Request.Waitall(sends)
-        t4 = time.perf_counter()
+        g_wire = [np.empty((b,) + self.a_shape, self.wire_dtype) for _ in convs]
+        chunks = self._chunks()
         tm = self.times
-        tm["fc_recv_wait_s"] += t1 - t0
-        tm["fc_compute_s"] += t2 - t1
-        tm["fc_apply_s"] += t3 - t2
-        tm["fc_send_wait_s"] += t4 - t3
+        recvs = []
+        for lo, hi in chunks:  # posted in order: the j-th message of a tag is chunk j
+            recvs.append([r for c, a, y in zip(convs, acts, labels)
+                          for r in (self.comm.Irecv(_raw(a[lo:hi]), source=c, tag=TAG_ACT),
+                                    self.comm.Irecv(y[lo:hi], source=c, tag=TAG_LABEL))])
+        sends, total, grads = [], 0.0, None
+        for (lo, hi), reqs in zip(chunks, recvs):
+            t1 = time.perf_counter()
+            MPI.Request.Waitall(reqs)
+            t2 = time.perf_counter()
+            a = np.concatenate([x[lo:hi] for x in acts]).astype(self.a_dtype, copy=False)
+            y = np.concatenate([x[lo:hi] for x in labels])
+            s, g_a, g = self._fc_grads(tf.constant(a), tf.constant(y))
+            g_a = self._to_wire(g_a.numpy())
+            rows = hi - lo
+            for i, c in enumerate(convs):
+                g_wire[i][lo:hi] = g_a[i * rows:(i + 1) * rows]
+                sends.append(self.comm.Isend(_raw(g_wire[i][lo:hi]), dest=c, tag=TAG_GRAD))
+            total += float(s)
+            grads = g if grads is None else [x + z for x, z in zip(grads, g)]
+            tm["fc_recv_wait_s"] += t2 - t1
+            tm["fc_compute_s"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
+        t4 = time.perf_counter()
+        MPI.Request.Waitall(sends)
+        t5 = time.perf_counter()
+        tm["fc_apply_s"] += t4 - t3
+        tm["fc_send_wait_s"] += t5 - t4
         cnt = self.counts
         cnt["activation_bytes_received"] += sum(x.nbytes for x in acts)
         cnt["label_bytes_received"] += sum(x.nbytes for x in labels)
-        cnt["activation_grad_bytes_sent"] += g_a.nbytes
-        cnt["p2p_messages"] += 3 * len(convs)
-        s = float(s)
-        self._train_loss += (s, len(y))
-        return s / len(y)
+        cnt["activation_grad_bytes_sent"] += sum(x.nbytes for x in g_wire)
+        cnt["p2p_messages"] += 3 * len(convs) * len(chunks)
+        n_examples = b * len(convs)
+        self._train_loss += (total, n_examples)
+        return total / n_examples
 
     def train_step(self, x: Optional[np.ndarray] = None, y: Optional[np.ndarray] = None):
         """One Hourglass step. CONV ranks pass their batch ``x [b, ...]``, ``y [b]``; FC ranks

@@ -217,7 +217,8 @@ def run(cfg, log=print) -> dict:
         lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
     opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
     trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
-                               fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype)
+                               fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype,
+                               micro_batches=cfg.hourglass.micro_batches)
 
     d_conv = sum(int(np.prod(v.shape)) for v in split.trunk_variables)
     d_fc = sum(int(np.prod(v.shape)) for v in split.head_variables)
@@ -340,6 +341,7 @@ def run(cfg, log=print) -> dict:
             "fc_parameters": d_fc,
             "fc_compression": fc_compression.to_dict(),
             "wire_dtype": cfg.hourglass.wire_dtype,
+            "micro_batches": cfg.hourglass.micro_batches,
             "cost_model": layout.cost_report,
         },
     }

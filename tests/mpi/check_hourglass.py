@@ -118,6 +118,18 @@ for F in LAYOUTS[n]:
     out["fp16_err"] = float(np.max(np.abs(tr16.role_weights() - flat(ref16_vars))))
     out["fp16_bytes"] = tr16.snapshot()
 
+    # ---- pipelined boundary exchange (3 micro-batches of 2): the same step, 3x the messages ----
+    split = split_model(build_model("tiny", seed=3))
+    trp = HourglassTrainer(layout, split, B, sgd(), micro_batches=3)
+    if layout.is_conv:
+        trp.train_step(*batch(0, layout.role_index))
+    else:
+        trp.train_step()
+    out["pipelined_err"] = float(np.max(np.abs(trp.role_weights() - flat(ref16_vars))))
+    out["pipelined_vs_fp16_ref_moved"] = float(np.max(np.abs(flat(ref16_vars) - w0)))
+    out["pipelined_bytes"] = trp.snapshot()
+    out["pipelined_loss"] = trp.train_loss()
+
     # ---- sparse: SGC with delay 2 on CONV ranks, top-k on FC ranks ----
     split = split_model(build_model("tiny", seed=4))  # same layout, a new model and trainer
     tr = HourglassTrainer(layout, split, B, sgd(), compression=hgsgc.Compression.sgc(0.05, bits=2, delay=2),
