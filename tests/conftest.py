@@ -23,6 +23,23 @@ def mpirun(np_, args, timeout=300, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
 
 
+def mpi_result(np_, args, timeout=400):
+    """Run a tests/mpi script under mpirun; return the JSON of its ``RESULT {...}`` line.
+
+    Fails the test with the run's output when it exits non-zero or prints no result, and checks
+    that the result reports ``np_`` ranks.
+    """
+    import json
+
+    p = mpirun(np_, args, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(line[0][7:])
+    assert out["size"] == np_ and ("ranks" not in out or len(out["ranks"]) == np_)
+    return out
+
+
 @pytest.fixture
 def run_mpi():
     return mpirun

@@ -3,7 +3,6 @@
 Single-process checks of the building blocks against tests/reference.py, and multi-rank checks
 under mpirun with 2, 3 and 4 ranks (tests/mpi/check_baselines.py).
 """
-import json
 import math
 
 import numpy as np
@@ -127,15 +126,9 @@ def test_bad_baseline_config_names_the_key(override, needle):
 # ----------------------------------------------------------------------------- under mpirun
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def result(request):
-    from conftest import mpirun
+    from conftest import mpi_result
 
-    p = mpirun(request.param, ["tests/mpi/check_baselines.py"], timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, p.stdout[-3000:] + p.stderr[-3000:]
-    out = json.loads(line[0][7:])
-    assert out["size"] == request.param and len(out["ranks"]) == request.param
-    return out
+    return mpi_result(request.param, ["tests/mpi/check_baselines.py"])
 
 
 @pytest.mark.mpi

@@ -1,8 +1,6 @@
 """Command line, configuration errors and error propagation across ranks."""
-import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest

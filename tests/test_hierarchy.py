@@ -1,6 +1,5 @@
 """Tree and node hierarchies: schedules and formulas (single process), the TF merge against the
 numpy reference, and every multi-rank property under mpirun with 2, 3, 4, 5, 6 and 8 ranks."""
-import json
 import math
 
 import numpy as np
@@ -166,16 +165,9 @@ def test_reference_conserves_mass():
 
 @pytest.fixture(scope="module", params=[2, 3, 4, 5, 6, 8])
 def result(request):
-    from conftest import mpirun
+    from conftest import mpi_result
 
-    n = request.param
-    p = mpirun(n, ["tests/mpi/check_hierarchy.py"], timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, p.stdout[-3000:] + p.stderr[-3000:]
-    out = json.loads(line[0][7:])
-    assert out["size"] == n
-    return out
+    return mpi_result(request.param, ["tests/mpi/check_hierarchy.py"], timeout=600)
 
 
 CHECKED = ("tree_bits2", "tree_bits32", "node_bits2", "node_mpi_split")

@@ -208,15 +208,10 @@ def test_hourglass_configs():
 # under mpirun
 @pytest.fixture(scope="module", params=[2, 3, 4, 5])
 def result(request, tmp_path_factory):
-    from conftest import mpirun
+    from conftest import mpi_result
 
     run_dir = str(tmp_path_factory.mktemp("hg_runs"))
-    p = mpirun(request.param, ["tests/mpi/check_hourglass.py", run_dir], timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, p.stdout[-3000:] + p.stderr[-3000:]
-    out = json.loads(line[0][7:])
-    assert out["size"] == request.param and len(out["ranks"]) == request.param
+    out = mpi_result(request.param, ["tests/mpi/check_hourglass.py", run_dir])
     out["run_dir"] = run_dir
     return out
 

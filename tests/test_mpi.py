@@ -1,7 +1,4 @@
 """Multi-rank behaviour under mpirun with 2, 3 and 4 ranks (odd counts included)."""
-import json
-
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.mpi
@@ -9,15 +6,9 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def result(request):
-    from conftest import mpirun
+    from conftest import mpi_result
 
-    p = mpirun(request.param, ["tests/mpi/check_exchange.py"], timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, p.stdout[-3000:] + p.stderr[-3000:]
-    out = json.loads(line[0][7:])
-    assert out["size"] == request.param and len(out["ranks"]) == request.param
-    return out
+    return mpi_result(request.param, ["tests/mpi/check_exchange.py"])
 
 
 def test_sparse_allgather_equals_numpy_average(result):
