@@ -327,6 +327,21 @@ class Exchanger:
                     name="hgsgc_powersgd_q/" + name.replace(":", "_"))
         return self._powersgd_q[name]
 
+    def factor_state(self) -> dict:
+        """PowerSGD's warm-start factors ``Q`` (numpy ``[p, q]`` per tensor name; empty otherwise)."""
+        return {k: v.numpy() for k, v in self._powersgd_q.items()}
+
+    def load_factor_state(self, state: dict):
+        """Restore :meth:`factor_state` output (creates the factors not built yet)."""
+        for name, q in state.items():
+            if name in self._powersgd_q:
+                self._powersgd_q[name].assign(q)
+            else:
+                with tf.init_scope():
+                    self._powersgd_q[name] = tf.Variable(
+                        q, dtype=tf.float32, trainable=False,
+                        name="hgsgc_powersgd_q/" + name.replace(":", "_"))
+
     def _powersgd(self, tensors, names):
         """PowerSGD (Vogels et al. 2019, Algorithm 1): rank-q power iteration, error feedback."""
         comp: PowerSGDCompression = self.compression

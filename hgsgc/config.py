@@ -7,6 +7,7 @@ key and the fix, so every rank can stop before any collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -171,15 +172,19 @@ def validate(cfg: Config) -> None:
         bad("compression.hierarchy", c.hierarchy, f"method {c.method} does not exchange top-k "
                                                   "payloads: hierarchies apply to topk, sgc and dgc")
     if c.momentum_correction and (not sparse or c.delay != 1):
-        bad("compression.momentum_correction", True, "needs method topk or sgc with delay=1")
-    if c.local_clip_norm < 0:
-        bad("compression.local_clip_norm", c.local_clip_norm, "must be >= 0 (0 = off), e.g. 5.0")
+        bad("compression.momentum_correction", True, "needs method topk, sgc or dgc with delay=1")
+    if (c.momentum_correction or c.method == "dgc") and not c.error_feedback:
+        bad("compression.error_feedback", False, "momentum correction (and so method dgc) needs "
+                                                 "error feedback: set compression.error_feedback=true")
+    if not math.isfinite(c.local_clip_norm) or c.local_clip_norm < 0:
+        bad("compression.local_clip_norm", c.local_clip_norm, "must be a finite number >= 0 "
+                                                              "(0 = off), e.g. 5.0")
     if c.local_clip_norm and (not sparse or c.delay != 1):
         bad("compression.local_clip_norm", c.local_clip_norm, "needs method topk, sgc or dgc "
                                                               "with delay=1")
     if c.powersgd_rank < 1:
         bad("compression.powersgd_rank", c.powersgd_rank, "must be an integer >= 1, e.g. 4")
-    if c.terngrad_clip_sigma < 0:
+    if not math.isfinite(c.terngrad_clip_sigma) or c.terngrad_clip_sigma < 0:
         bad("compression.terngrad_clip_sigma", c.terngrad_clip_sigma,
             "must be >= 0 (0 = no clipping; the paper uses 2.5)")
     if c.selector not in ("exact", "sampled"):

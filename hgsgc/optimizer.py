@@ -46,19 +46,30 @@ def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, 
 def local_clip(grads, compression, n: int):
     """Deep Gradient Compression's local gradient clipping (Lin et al. 2018, Sec. 3.2).
 
-    Clips the rank's gradients (a list, ``None`` entries kept) to global L2 norm
-    ``compression.local_clip_norm / sqrt(n)``; a no-op when the setting has no
+    Scales the rank's floating-point gradients (a list; ``None`` and integer entries pass
+    through) by ``min(1, c / ||g||_2)`` with ``c = compression.local_clip_norm / sqrt(n)`` and
+    ``||g||_2`` the global L2 norm over all of them, computed in float32 whatever their dtypes
+    (the formula of ``tf.clip_by_global_norm``). A no-op when the setting has no
     ``local_clip_norm``. Returns the list.
     """
     norm = getattr(compression, "local_clip_norm", None)
     if not norm:
         return list(grads)
-    keep = [i for i, g in enumerate(grads) if g is not None]
-    clipped, _ = tf.clip_by_global_norm([tf.convert_to_tensor(grads[i]) for i in keep],
-                                        float(norm) / float(n) ** 0.5)
     out = list(grads)
-    for i, c in zip(keep, clipped):
-        out[i] = c
+    keep = []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        g = tf.convert_to_tensor(g)
+        if g.dtype.is_floating:
+            keep.append((i, g))
+    if not keep:
+        return out
+    total = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for _, g in keep]))
+    clip = float(norm) / float(n) ** 0.5
+    scale = clip / tf.maximum(total, clip)
+    for i, g in keep:
+        out[i] = g * tf.cast(scale, g.dtype)
     return out
 
 
@@ -211,8 +222,12 @@ class _HgsgcOptimizerMixin:
         return True
 
     def hgsgc_state(self) -> dict:
-        """Serialisable hgsgc state: residuals (numpy) and, with delay, the sync anchors."""
+        """Serialisable hgsgc state: residuals (numpy), PowerSGD's warm-start factors
+        (``powersgd_q``) and, with delay, the sync anchors."""
         state = {"residuals": self._hgsgc_exchanger.memory.state_dict()}
+        factors = self._hgsgc_exchanger.factor_state()
+        if factors:
+            state["powersgd_q"] = factors
         if self._hgsgc_anchors is not None:
             state["anchors"] = [a.numpy() for a in self._hgsgc_anchors]
             state["local_step"] = int(self._hgsgc_local_step.numpy())
@@ -221,6 +236,7 @@ class _HgsgcOptimizerMixin:
     def load_hgsgc_state(self, state: dict):
         """Restore :meth:`hgsgc_state` output (residuals; anchors once built)."""
         self._hgsgc_exchanger.memory.load_state_dict(state.get("residuals", {}))
+        self._hgsgc_exchanger.load_factor_state(state.get("powersgd_q", {}))
         if "anchors" in state and self._hgsgc_anchors is not None:
             for a, s in zip(self._hgsgc_anchors, state["anchors"]):
                 a.assign(s)
@@ -278,11 +294,26 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return new
 
 
+_TAPE_EXCHANGERS = {}  # (compression, id(process_set)) -> (process_set, Exchanger)
+
+
+def _tape_exchanger(comp, process_set) -> Exchanger:
+    key = (comp, id(process_set))
+    if key not in _TAPE_EXCHANGERS:
+        _TAPE_EXCHANGERS[key] = (process_set, Exchanger(comp, process_set))
+    return _TAPE_EXCHANGERS[key][1]
+
+
 class DistributedGradientTape:
     """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged through ``compression``.
 
     Same arguments as ``horovod.tensorflow.DistributedGradientTape``. Communication delay needs
     the optimizer (it exchanges model deltas after local steps), so ``delay`` must be 1 here.
+
+    As in Horovod, a new tape is usually wrapped every step (often inside a ``tf.function``), so
+    the compression state (residuals, PowerSGD's factors, TernGrad's draw counter, byte counts)
+    lives in one :class:`Exchanger` per (compression setting, process set) in the process, shared
+    by every tape built with them (``tape.exchanger``); residuals are keyed by variable name.
 
     Raises:
         ValueError: ``compression`` with ``delay > 1``, or an unsupported Horovod argument.
@@ -298,7 +329,7 @@ class DistributedGradientTape:
             raise ValueError("DistributedGradientTape exchanges every step: use "
                              "hgsgc.DistributedOptimizer for compression with delay > 1")
         self._tape = gradtape
-        self.exchanger = Exchanger(comp, process_set)
+        self.exchanger = _tape_exchanger(comp, process_set)
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         """Local gradients of ``target`` w.r.t. ``sources`` (any nest), averaged over ranks."""

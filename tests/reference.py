@@ -59,8 +59,8 @@ def sparse_average(inputs, density, bits):
 def terngrad_clip(g, clip_sigma):
     """TernGrad's clipping to c standard deviations (Wen et al. 2017, Sec. 3.3); c = 0: none."""
     g = np.asarray(g, np.float32)
-    if not clip_sigma or g.size == 0:
-        return g
+    if not clip_sigma or g.size == 0 or np.all(g == g.flat[0]):
+        return g  # all entries equal (std 0): left as they are
     bound = np.float32(clip_sigma) * np.float32(np.std(g, dtype=np.float64))
     return np.clip(g, -bound, bound)
 

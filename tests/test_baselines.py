@@ -36,6 +36,20 @@ def test_terngrad_codes_match_numpy_and_round_trip(numel, seed, clip):
     np.testing.assert_array_equal(terngrad.decode(packed, numel).numpy(), codes)
 
 
+def test_terngrad_keeps_tensors_whose_entries_are_all_equal():
+    """std = 0 (scalars, one-element tensors, constants): clipping must not zero the gradient."""
+    import horovod.tensorflow as hvd
+
+    from hgsgc.communicator import Exchanger
+
+    hvd.init()  # a single process: the exchange is local
+    for x in (tf.constant([5.0]), tf.constant(3.0), tf.constant([[2.0]]), tf.fill([10], -0.7)):
+        np.testing.assert_array_equal(terngrad.clip(x, 2.5).numpy(), x.numpy())
+        # one rank: the scale is max|g| = |g|, so every entry is sent: the output is g exactly
+        out = Exchanger(Compression.terngrad()).exchange([x], ["c"])[0]
+        np.testing.assert_allclose(out.numpy(), x.numpy(), rtol=1e-6)
+
+
 def test_terngrad_is_unbiased_and_zero_scale_sends_nothing():
     g = np.array([0.5, -0.25, 0.0, 1.0, -1.0, 0.1], np.float32)
     draws = 20000
@@ -88,9 +102,18 @@ def test_baseline_settings_validate():
     for bad in (-1.0, "2.5", True):
         with pytest.raises(ValueError, match="clip_sigma"):
             TernGradCompression(clip_sigma=bad)
-    for bad in (0, -1.0, "5"):
+    for bad in (0, -1.0, "5", float("inf"), float("nan")):
         with pytest.raises(ValueError, match="local_clip_norm"):
             Compression.dgc(0.01, local_clip_norm=bad)
+    for bad in (None, [1], float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="clip_sigma"):
+            TernGradCompression(clip_sigma=bad)
+    for bad in ("no", None, 1):
+        with pytest.raises(ValueError, match="error_feedback"):
+            PowerSGDCompression(error_feedback=bad)
+    assert PowerSGDCompression(rank=np.int64(4)).rank == 4
+    with pytest.raises(ValueError, match="error_feedback"):
+        Compression.topk(0.01, momentum_correction=True, error_feedback=False)
     dgc = Compression.dgc(0.01, local_clip_norm=5.0)
     assert dgc.momentum_correction and dgc.bits == 32 and dgc.method == "dgc" and dgc.delay == 1
 
@@ -117,6 +140,11 @@ def test_config_builds_each_baseline():
     ("compression.method=powersgd compression.hierarchy=tree", "compression.hierarchy"),
     ("compression.method=none compression.local_clip_norm=5", "compression.local_clip_norm"),
     ("compression.method=dgc compression.local_clip_norm=-1", "compression.local_clip_norm"),
+    ("compression.method=dgc compression.local_clip_norm=nan", "compression.local_clip_norm"),
+    ("compression.method=terngrad compression.terngrad_clip_sigma=inf", "compression.terngrad_clip_sigma"),
+    ("compression.method=dgc compression.error_feedback=false", "compression.error_feedback"),
+    ("compression.method=topk compression.momentum_correction=true compression.error_feedback=false",
+     "compression.error_feedback"),
 ])
 def test_bad_baseline_config_names_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

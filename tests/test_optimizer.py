@@ -5,7 +5,8 @@ import tensorflow as tf
 
 import reference as ref
 
-hvd = pytest.importorskip("horovod.tensorflow")
+import horovod.tensorflow as hvd  # noqa: E402
+
 hvd.init()
 import hgsgc  # noqa: E402
 
@@ -109,3 +110,59 @@ def test_delay_state_round_trip():
     assert opt.hgsgc_synchronize([v]) is True           # the pending sync (4 % 3 != 0) runs
     np.testing.assert_array_equal(opt.hgsgc_state()["anchors"][0], v.numpy())
     assert opt.hgsgc_synchronize([v]) is False          # nothing pending any more
+
+
+def test_tape_inside_tf_function_keeps_compression_state():
+    """Horovod's TF2 pattern: a new DistributedGradientTape per step inside a tf.function."""
+    for comp in (hgsgc.Compression.powersgd(rank=1), hgsgc.Compression.terngrad(),
+                 hgsgc.Compression.none):
+        w = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3) / 10.0)
+
+        seen = []
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w)
+            tape = hgsgc.DistributedGradientTape(tape, compression=comp)
+            seen.append(tape.exchanger)
+            return tape.gradient(loss, [w])[0]
+
+        g1 = step()
+        g2 = step()
+        ex1 = seen[0]
+        assert all(e is ex1 for e in seen) and ex1.stats.snapshot()["exchanges"] == 2
+        method = comp.to_dict()["method"]
+        if method == "powersgd":  # rank-1 approximation + error feedback of 2 w
+            assert ex1.factor_state() and ex1.memory.names() == [w.name]
+            m = 2 * w.numpy()
+            np.testing.assert_allclose(ex1.memory.residual(w.name, [4, 3]).numpy()
+                                       + g1.numpy() + g2.numpy(), 2 * m, rtol=1e-5, atol=1e-5)
+        elif method == "none":
+            np.testing.assert_allclose(g2.numpy(), 2 * w.numpy(), rtol=1e-6)
+
+
+def test_local_clip_mixed_dtypes_matches_formula():
+    from hgsgc.optimizer import local_clip
+
+    comp = hgsgc.Compression.dgc(0.1, local_clip_norm=1.0)
+    gs = [tf.constant([3.0, 4.0], tf.float16), tf.constant([[12.0]]), None, tf.constant([5], tf.int32)]
+    out = local_clip(gs, comp, 4)  # clip norm 1 / sqrt(4) = 0.5 on ||(3, 4, 12)|| = 13
+    assert out[2] is None and out[3] is gs[3] and out[0].dtype == tf.float16
+    np.testing.assert_allclose(out[0].numpy(), np.array([3, 4]) * 0.5 / 13, rtol=1e-3)
+    np.testing.assert_allclose(out[1].numpy(), [[12 * 0.5 / 13]], rtol=1e-6)
+    small = local_clip([tf.constant([0.1, 0.1])], comp, 4)  # norm below the clip: unchanged
+    np.testing.assert_array_equal(small[0].numpy(), np.float32([0.1, 0.1]))
+
+
+def test_powersgd_factors_in_state_round_trip():
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                     compression=hgsgc.Compression.powersgd(rank=1))
+    v = tf.Variable(np.ones((5, 4), np.float32))
+    opt.apply_gradients([(tf.constant(np.arange(20, dtype=np.float32).reshape(5, 4)), v)])
+    state = opt.hgsgc_state()
+    assert set(state["powersgd_q"]) == {v.name} and state["powersgd_q"][v.name].shape == (4, 1)
+    fresh = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                       compression=hgsgc.Compression.powersgd(rank=1))
+    fresh.load_hgsgc_state(state)
+    np.testing.assert_array_equal(fresh.hgsgc_exchanger.factor_state()[v.name], state["powersgd_q"][v.name])

@@ -11,6 +11,8 @@ Building blocks (each small, with explicit state): :mod:`.sparsify` (top-k selec
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -112,6 +114,12 @@ class SparseCompression:
         if self.momentum_correction and self.delay != 1:
             raise ValueError("momentum_correction needs delay=1: with delay > 1 the optimizer's "
                              "own momentum runs the local steps")
+        if self.momentum_correction and not self.error_feedback:
+            raise ValueError("momentum_correction needs error_feedback=True: momentum factor "
+                             "masking clears exactly the entries that were sent, which it reads "
+                             "off the residual")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.local_clip_norm is not None:
@@ -143,9 +151,10 @@ class TernGradCompression:
     method: str = "terngrad"
 
     def __post_init__(self):
-        if isinstance(self.clip_sigma, (str, bytes, bool)) or not float(self.clip_sigma) >= 0:
-            raise ValueError(f"clip_sigma must be a number >= 0 (0 = no clipping, the paper "
-                             f"uses 2.5), got {self.clip_sigma!r}")
+        if (isinstance(self.clip_sigma, bool) or not isinstance(self.clip_sigma, numbers.Real)
+                or not math.isfinite(self.clip_sigma) or self.clip_sigma < 0):
+            raise ValueError(f"clip_sigma must be a finite number >= 0 (0 = no clipping, the "
+                             f"paper uses 2.5), got {self.clip_sigma!r}")
 
     @property
     def delay(self) -> int:
@@ -175,8 +184,11 @@ class PowerSGDCompression:
     method: str = "powersgd"
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+        if not isinstance(self.rank, numbers.Integral) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"PowerSGD rank must be an integer >= 1 (e.g. rank=4), got {self.rank!r}")
+        object.__setattr__(self, "rank", int(self.rank))
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
 
     @property
     def delay(self) -> int:
@@ -187,14 +199,9 @@ class PowerSGDCompression:
 
 
 def _check_positive(name, value, fix):
-    if isinstance(value, (str, bytes, bool)):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}: {fix}")
-    try:
-        ok = float(value) > 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}: {fix}")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value <= 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}: {fix}")
 
 
 def _check_delay(delay):

@@ -19,11 +19,16 @@ SCALE_BYTES = 4  # one float32 shared scale per tensor
 
 
 def clip(g: tf.Tensor, clip_sigma: float) -> tf.Tensor:
-    """Clip float32 ``g`` (any shape) to ``[-c sigma, c sigma]``, sigma = std of g; c = 0: no-op."""
+    """Clip float32 ``g`` (any shape) to ``[-c sigma, c sigma]``, sigma = std of g; c = 0: no-op.
+
+    A tensor whose entries are all equal (sigma = 0: scalars, one-element tensors, constants) is
+    left as it is: clipping it to 0 would discard its whole gradient.
+    """
     g = tf.cast(g, tf.float32)
     if not clip_sigma:
         return g
-    bound = clip_sigma * tf.math.reduce_std(g)
+    sigma = tf.math.reduce_std(g)
+    bound = tf.where(sigma > 0, clip_sigma * sigma, tf.reduce_max(tf.abs(g)))
     return tf.clip_by_value(g, -bound, bound)
 
 

@@ -78,7 +78,8 @@ class HourglassTrainer:
         broadcast: broadcast the role's initial weights from the role's first rank.
         wire_dtype: numpy dtype of the boundary activations and activation gradients on the
             wire: ``"float32"`` (exact) or ``"float16"`` (half the point-to-point bytes; values
-            are rounded to fp16, relative error <= 2^-11, and overflow above 65504 raises).
+            are rounded to fp16: relative error <= 2^-11 for |x| >= 2^-14, absolute error
+            <= 2^-25 below that (subnormals), and a value above 65504 stops the job).
             Compute stays in the model's dtype on both sides.
         micro_batches: M >= 1 (at most ``batch_size``): the boundary exchange is pipelined in M
             micro-batches; the FC rank runs the head on each as soon as it arrived from every
