@@ -357,15 +357,17 @@ def breakdown(c: dict, results: dict) -> dict:
     own = co.get(c["method"], {})
     compute = (cs or {}).get("mean_step_time_s") if (cs or {}).get("status") == "ok" else None
     if compute is None:
-        compute = own.get("mean_step_time_s") if own.get("status") == "ok" else 0.0
+        compute = own.get("mean_step_time_s") if own.get("status") == "ok" else None
     dense = [co[m["method"]] for m in results["cells"] if m["role"] == "dense" and m["method"] in co]
     dense_step = min((d["mean_step_time_s"] for d in dense if d.get("status") == "ok"), default=None)
     compression = (own["mean_step_time_s"] - dense_step) if own.get("status") == "ok" and dense_step else None
     wire = _busiest_link_bytes(c) * 1.05 * 8 / (c["bandwidth_mbit"] * 1e6)
     step = c["mean_step_time_s"]
-    return {"step_s": step, "compute_s": compute, "compute_basis": "shared" if cs else "alone",
+    basis = "shared" if cs else ("alone" if compute is not None else "not measured")
+    return {"step_s": step, "compute_s": compute, "compute_basis": basis,
             "compression_s": compression, "wire_s": wire, "busiest_link_bytes_per_step": _busiest_link_bytes(c),
-            "waiting_s": step - compute - wire}
+            # without a compute-only measurement the rest is compute + waiting together
+            "waiting_s": step - (compute or 0.0) - wire}
 
 
 def add_ratios(results: dict) -> None:
@@ -513,13 +515,14 @@ def markdown(results: dict) -> str:
             out += ["Where a step's time goes (ms; compute = compute-only step, measured with "
                     f"{h} processes at once where available, else alone; compression = the method's "
                     "compute-only step minus dense's; wire = busiest link's bytes x 1.05 at the link rate; "
-                    "waiting = the rest):", "",
+                    "waiting = the rest, compute included where compute-only was not measured):", "",
                     "| method | step | compute | (basis) | compression | wire | waiting | busiest link kB/step |",
                     "|---|---|---|---|---|---|---|---|"]
             for c in rows:
                 b = c["breakdown"]
                 out.append("| " + " | ".join([
-                    c["method"], _f(b["step_s"] * 1e3), _f(b["compute_s"] * 1e3), b["compute_basis"],
+                    c["method"], _f(b["step_s"] * 1e3), _f(b["compute_s"] and b["compute_s"] * 1e3),
+                    b["compute_basis"],
                     _f(b["compression_s"] and b["compression_s"] * 1e3), _f(b["wire_s"] * 1e3),
                     _f(b["waiting_s"] * 1e3), _f(b["busiest_link_bytes_per_step"] / 1e3)]) + " |")
             out.append("")
