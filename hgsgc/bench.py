@@ -547,6 +547,17 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+_MARKERS = "osD^vP*Xh<>p"
+
+
+def _style(i: int) -> dict:
+    """A distinct colour + marker per series (tab20 colours, markers cycling independently)."""
+    import matplotlib.pyplot as plt
+
+    return {"color": plt.get_cmap("tab20")(i % 20), "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": "-" if (i // 20) % 2 == 0 else "--"}
+
+
 def plots(results: dict, out_dir: str, name: str) -> List[str]:
     import matplotlib
 
@@ -559,12 +570,14 @@ def plots(results: dict, out_dir: str, name: str) -> List[str]:
         return paths
     methods = list(dict.fromkeys(c["method"] for c in ok))
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = 0
     for h in sorted({c["hosts"] for c in ok}):
         for m in methods:
             pts = sorted((c["bandwidth_mbit"], c["time_per_epoch_s"]) for c in ok
                          if c["method"] == m and c["hosts"] == h)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{m} ({h} hosts)")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{m} ({h} hosts)", **_style(series))
+                series += 1
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth (Mbit/s)")
@@ -579,7 +592,7 @@ def plots(results: dict, out_dir: str, name: str) -> List[str]:
     paths.append(p)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in ok:
+    for i, c in enumerate(ok):
         xs, ys, t = [], [], 0.0
         for e in c.get("accuracy_curve") or []:
             t += e.get("epoch_time_s") or 0.0
@@ -587,7 +600,7 @@ def plots(results: dict, out_dir: str, name: str) -> List[str]:
             ys.append(e["test_accuracy"])
         if not xs:
             xs, ys = [c["wall_time_s"]], [c["final_test_accuracy"]]
-        ax.plot(xs, ys, "o-", label=f"{c['method']} {c['hosts']}h {c['bandwidth']}")
+        ax.plot(xs, ys, label=f"{c['method']} {c['hosts']}h {c['bandwidth']}", **_style(i))
     ax.set_xlabel("training wall time (s, truncated epochs)")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"{name}: accuracy vs wall time (short budget: indicative)")
