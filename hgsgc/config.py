@@ -210,6 +210,7 @@ def validate(cfg: Config) -> None:
     if cfg.layout not in LAYOUTS:
         bad("layout", cfg.layout, f"use one of {', '.join(LAYOUTS)}")
     h = cfg.hourglass
+    _check_unused(cfg, bad)
     if not (h.fc_workers == "auto" or (isinstance(h.fc_workers, int) and not isinstance(h.fc_workers, bool)
                                        and h.fc_workers >= 1)):
         bad("hourglass.fc_workers", h.fc_workers, "use auto or an integer >= 1")
@@ -222,6 +223,27 @@ def validate(cfg: Config) -> None:
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
     if not h.link_bandwidth_mbps > 0:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
+
+
+def _check_unused(cfg: Config, bad) -> None:
+    """Settings given for a method or layout that does not use them are errors, not no-ops."""
+    c, h = cfg.compression, cfg.hourglass
+    dc, dh = CompressionConfig(), HourglassConfig()
+    if c.powersgd_rank != dc.powersgd_rank and c.method != "powersgd":
+        bad("compression.powersgd_rank", c.powersgd_rank, f"it applies to method=powersgd only "
+                                                          f"(method is {c.method}): remove it")
+    if c.terngrad_clip_sigma != dc.terngrad_clip_sigma and c.method != "terngrad":
+        bad("compression.terngrad_clip_sigma", c.terngrad_clip_sigma,
+            f"it applies to method=terngrad only (method is {c.method}): remove it")
+    fc_sparse = cfg.layout == "hourglass" and h.fc_method in SPARSE_METHODS
+    if c.bits is not None and c.method not in SPARSE_METHODS and not fc_sparse:
+        bad("compression.bits", c.bits, f"method {c.method} has no value bits (they apply to "
+                                        "topk, sgc and dgc): remove it")
+    if cfg.layout != "hourglass":
+        for key in ("wire_dtype", "micro_batches"):
+            if getattr(h, key) != getattr(dh, key):
+                bad(f"hourglass.{key}", getattr(h, key), "it applies to layout=hourglass only: "
+                                                          "remove it or set layout=hourglass")
 
 
 def resolved_bits(c: CompressionConfig, method: Optional[str] = None) -> int:

@@ -145,6 +145,12 @@ def test_config_builds_each_baseline():
     ("compression.method=dgc compression.error_feedback=false", "compression.error_feedback"),
     ("compression.method=topk compression.momentum_correction=true compression.error_feedback=false",
      "compression.error_feedback"),
+    # a setting for another method or layout is an error, not a silent no-op
+    ("compression.method=sgc compression.powersgd_rank=8", "compression.powersgd_rank"),
+    ("compression.method=powersgd compression.terngrad_clip_sigma=1", "compression.terngrad_clip_sigma"),
+    ("compression.method=powersgd compression.bits=2", "compression.bits"),
+    ("hourglass.micro_batches=4", "hourglass.micro_batches"),
+    ("hourglass.wire_dtype=float16", "hourglass.wire_dtype"),
 ])
 def test_bad_baseline_config_names_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
