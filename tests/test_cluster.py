@@ -230,9 +230,12 @@ def test_run_tears_down_when_the_program_fails():
 @pytest.mark.mpi
 def test_run_tears_down_on_ctrl_c():
     pre = _prefix()
+    # a runner started in the background (CI, nohup ... &) has SIGINT ignored, and a shell that
+    # starts with SIGINT ignored cannot trap it: give the script a terminal's default disposition
     p = subprocess.Popen(["bash", CLUSTER_SH, "run", "2", "--prefix", pre, "--", "sleep", "120"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # wait (polling, bounded) until both ranks run inside their host namespaces
         deadline = time.monotonic() + 30
