@@ -22,6 +22,9 @@ FILES = {
 }
 
 
+NUM_CLASSES = 10  # Fashion-MNIST labels are 0..9
+
+
 class DataError(ValueError):
     """A data file is missing or malformed (the message names the file and the fix)."""
 
@@ -75,11 +78,18 @@ def load_fashion_mnist(path: str = DEFAULT_PATH, train_limit: int = 0, test_limi
     Raises:
         DataError: a file is missing or malformed.
     """
-    arrays = {k: read_idx(_find(path, stem)) for k, stem in FILES.items()}
+    files = {k: _find(path, stem) for k, stem in FILES.items()}
+    arrays = {k: read_idx(f) for k, f in files.items()}
     for split in ("train", "test"):
         xi, yi = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if xi.shape[0] != yi.shape[0]:
             raise DataError(f"{path}: {split} has {xi.shape[0]} images but {yi.shape[0]} labels")
+        if xi.ndim != 3 or yi.ndim != 1:
+            raise DataError(f"{files[f'{split}_images']}: expected images [N, 28, 28] and labels [N], "
+                            f"got {xi.shape} and {yi.shape}")
+        if yi.size and int(yi.max()) >= NUM_CLASSES:
+            raise DataError(f"{files[f'{split}_labels']}: label {int(yi.max())} outside 0..{NUM_CLASSES - 1} "
+                            f"(corrupt file? reinstall dataset-fashion-mnist)")
 
     def prep(x, y, limit):
         if limit:

@@ -17,12 +17,21 @@ def _load(run_dir: str):
     mp = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(sp):
         raise FileNotFoundError(f"{sp} not found: is {run_dir} a finished run directory (runs/<id>)?")
-    with open(sp) as f:
-        summary = json.load(f)
+    try:
+        with open(sp) as f:
+            summary = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{sp}: not valid JSON ({exc}): an interrupted run? rerun it") from None
     metrics = []
     if os.path.exists(mp):
         with open(mp) as f:
-            metrics = [json.loads(line) for line in f if line.strip()]
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    metrics.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{mp}, line {i}: not valid JSON ({exc})") from None
     return summary, metrics
 
 

@@ -104,6 +104,31 @@ def test_read_idx_round_trip_and_errors(tmp_path):
         load_fashion_mnist(str(tmp_path))
 
 
+def test_corrupt_labels_and_shapes_name_the_file(tmp_path):
+    imgs = np.zeros((3, 28, 28), np.uint8)
+    for split in ("train", "t10k"):
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte", imgs)
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", np.array([0, 9, 3], np.uint8))
+    assert load_fashion_mnist(str(tmp_path)).y_test.tolist() == [0, 9, 3]
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 12, 3], np.uint8))
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte: label 12 outside 0\.\.9"):
+        load_fashion_mnist(str(tmp_path))
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 1, 3], np.uint8))
+    _write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((3, 784), np.uint8))
+    with pytest.raises(DataError, match="train-images-idx3-ubyte: expected images"):
+        load_fashion_mnist(str(tmp_path))
+
+
+def test_report_on_truncated_summary_names_the_file(tmp_path):
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "summary.json").write_text('{"final_test_accuracy": 0.9')
+    p = subprocess.run([PY, "-m", "hgsgc.cli", "report", str(run)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode != 0
+    assert f"{run / 'summary.json'}: not valid JSON" in p.stderr, p.stderr
+
+
 def test_real_fashion_mnist_shapes():
     d = load_fashion_mnist()
     assert d.x_train.shape == (60000, 28, 28, 1) and d.x_test.shape == (10000, 28, 28, 1)
