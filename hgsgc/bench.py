@@ -74,16 +74,42 @@ def _emulated():
     return emulated
 
 
+SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
+             "compute_only_shared", "out_dir", "runs_dir", "methods")
+METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role")
+_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def _check_name(what: str, name) -> None:
+    if not isinstance(name, str) or not name or not set(name) <= _NAME_OK or name.startswith("."):
+        raise SpecError(f"spec: {what} {name!r} must use only letters, digits, '_', '.', '-' "
+                        f"(it names files and run directories)")
+
+
 def load_spec(path_or_dict) -> dict:
-    """Read and validate a spec (a YAML path or a dict); fills in defaults."""
+    """Read and validate a spec (a YAML path or a dict); fills in defaults.
+
+    Raises:
+        SpecError: unreadable YAML, an unknown key, a wrong type or value, a missing config file
+            (checked before anything runs); OSError: the spec file cannot be read.
+    """
     if isinstance(path_or_dict, dict):
         spec = dict(path_or_dict)
     else:
         import yaml
 
         with open(path_or_dict) as f:
-            spec = yaml.safe_load(f) or {}
+            try:
+                spec = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise SpecError(f"{path_or_dict}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(spec, dict):
+            raise SpecError(f"{path_or_dict}: a spec is a mapping (name:, hosts:, methods: ...), "
+                            f"got a {type(spec).__name__}")
         spec.setdefault("name", os.path.splitext(os.path.basename(path_or_dict))[0])
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise SpecError(f"spec: unknown key(s) {', '.join(unknown)}: valid keys are {', '.join(SPEC_KEYS)}")
     spec.setdefault("hosts", [2])
     spec.setdefault("bandwidths", ["100mbit"])
     spec.setdefault("overrides", [])
@@ -93,23 +119,57 @@ def load_spec(path_or_dict) -> dict:
     spec.setdefault("compute_only_shared", False)  # also n processes at once (n = host count)
     spec.setdefault("out_dir", os.path.join("docs", "benchmarks"))
     spec.setdefault("runs_dir", os.path.join("runs", "bench"))
-    if not spec.get("methods"):
+    _check_name("name", spec["name"])
+    if not spec.get("methods") or not isinstance(spec["methods"], list):
         raise SpecError("spec: 'methods' must list at least one method")
     for key in ("hosts", "bandwidths", "overrides", "mpi_args"):
         if not isinstance(spec[key], list):
             raise SpecError(f"spec: '{key}' must be a list")
+    for key in ("overrides", "mpi_args"):
+        if not all(isinstance(x, str) for x in spec[key]):
+            raise SpecError(f"spec: '{key}' must be a list of strings")
+    if not spec["hosts"] or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1
+                                    for h in spec["hosts"]):
+        raise SpecError(f"spec: 'hosts' must be a list of integers >= 1, got {spec['hosts']!r}")
+    for bw in spec["bandwidths"]:
+        try:
+            _bw_mbit(str(bw))
+        except (ValueError, TypeError):
+            raise SpecError(f"spec: bandwidth {bw!r} is not a tc rate like 100mbit or 1gbit") from None
+    t = spec["timeout_s"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+        raise SpecError(f"spec: 'timeout_s' must be a number of seconds > 0, got {t!r}")
     names = set()
     for i, m in enumerate(spec["methods"]):
         if not isinstance(m, dict) or "name" not in m or "config" not in m:
             raise SpecError(f"spec: methods[{i}] needs 'name' and 'config'")
+        unknown = sorted(set(m) - set(METHOD_KEYS))
+        if unknown:
+            raise SpecError(f"spec: methods[{i}] ({m['name']}): unknown key(s) {', '.join(unknown)}: "
+                            f"valid keys are {', '.join(METHOD_KEYS)}")
+        _check_name(f"methods[{i}].name", m["name"])
         m.setdefault("overrides", [])
         m.setdefault("mpi_args", [])
         m.setdefault("role", "other")
+        for key in ("overrides", "mpi_args"):
+            if not isinstance(m[key], list) or not all(isinstance(x, str) for x in m[key]):
+                raise SpecError(f"spec: methods[{i}] ({m['name']}).{key} must be a list of strings")
         if m["role"] not in ROLES:
             raise SpecError(f"spec: methods[{i}].role must be one of {ROLES}")
         if m["name"] in names:
             raise SpecError(f"spec: duplicate method name {m['name']!r}")
+        if not os.path.exists(m["config"]):
+            raise SpecError(f"spec: methods[{i}] ({m['name']}): config {m['config']} not found "
+                            f"(paths are relative to the directory you run hgsgc bench from)")
         names.add(m["name"])
+    for key in ("compute_only", "compute_only_shared"):
+        v = spec[key]
+        if isinstance(v, list):
+            missing = [x for x in v if x not in names]
+            if missing:
+                raise SpecError(f"spec: '{key}' names unknown method(s) {', '.join(map(str, missing))}")
+        elif not isinstance(v, bool):
+            raise SpecError(f"spec: '{key}' must be true, false or a list of method names")
     return spec
 
 
@@ -637,12 +697,25 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
     Given a results JSON (``docs/benchmarks/NAME.json``) instead of a spec, it only re-renders
     the Markdown, ratios and plots from the stored measurements (no runs).
     """
+    if out is not None:
+        try:
+            _check_name("--out", out)
+        except SpecError as exc:
+            print(f"hgsgc: bench: {exc}", file=sys.stderr)
+            return 2
     if spec_path.endswith(".json"):
-        with open(spec_path) as f:
-            results = json.load(f)
-        add_ratios(results)
-        paths = write_outputs(results, out_dir=out_dir or os.path.dirname(spec_path) or ".",
-                              name=out or results["name"])
+        try:
+            with open(spec_path) as f:
+                results = json.load(f)
+            if not isinstance(results, dict) or not isinstance(results.get("cells"), list):
+                raise ValueError("not a results file of hgsgc bench (no 'cells' list)")
+            add_ratios(results)
+            paths = write_outputs(results, out_dir=out_dir or os.path.dirname(spec_path) or ".",
+                                  name=out or results["name"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"hgsgc: bench: {spec_path}: cannot re-render: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 2
         print("[bench] re-rendered " + ", ".join(paths.values()), flush=True)
         return 0
     try:

@@ -168,7 +168,8 @@ def validate(cfg: Config) -> None:
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
-    if c.hierarchy != "allgather" and not sparse:
+    fc_sparse = cfg.layout == "hourglass" and cfg.hourglass.fc_method in SPARSE_METHODS
+    if c.hierarchy != "allgather" and not sparse and not fc_sparse:
         bad("compression.hierarchy", c.hierarchy, f"method {c.method} does not exchange top-k "
                                                   "payloads: hierarchies apply to topk, sgc and dgc")
     if c.momentum_correction and (not sparse or c.delay != 1):

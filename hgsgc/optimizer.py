@@ -294,13 +294,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return new
 
 
-_TAPE_EXCHANGERS = {}  # (compression, id(process_set)) -> (process_set, Exchanger)
+_TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids) -> (keep-alive refs, Exchanger)
 
 
-def _tape_exchanger(comp, process_set) -> Exchanger:
-    key = (comp, id(process_set))
+def _tape_exchanger(comp, process_set, sources) -> Exchanger:
+    """The Exchanger of tapes with this setting, process set and set of variables (a model)."""
+    ids = tuple(id(v) if isinstance(v, tf.Variable) else None for v in sources)
+    key = (comp, id(process_set), ids)
     if key not in _TAPE_EXCHANGERS:
-        _TAPE_EXCHANGERS[key] = (process_set, Exchanger(comp, process_set))
+        _TAPE_EXCHANGERS[key] = ((process_set, list(sources)), Exchanger(comp, process_set))
     return _TAPE_EXCHANGERS[key][1]
 
 
@@ -312,8 +314,9 @@ class DistributedGradientTape:
 
     As in Horovod, a new tape is usually wrapped every step (often inside a ``tf.function``), so
     the compression state (residuals, PowerSGD's factors, TernGrad's draw counter, byte counts)
-    lives in one :class:`Exchanger` per (compression setting, process set) in the process, shared
-    by every tape built with them (``tape.exchanger``); residuals are keyed by variable name.
+    lives in one :class:`Exchanger` per (compression setting, process set, variables differentiated)
+    in the process, shared by every tape built with them: two models keep separate state even
+    when their layer names coincide. ``tape.exchanger`` is set by the first ``gradient()`` call.
 
     Raises:
         ValueError: ``compression`` with ``delay > 1``, or an unsupported Horovod argument.
@@ -329,12 +332,14 @@ class DistributedGradientTape:
             raise ValueError("DistributedGradientTape exchanges every step: use "
                              "hgsgc.DistributedOptimizer for compression with delay > 1")
         self._tape = gradtape
-        self.exchanger = _tape_exchanger(comp, process_set)
+        self._comp, self._process_set = comp, process_set
+        self.exchanger = None
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         """Local gradients of ``target`` w.r.t. ``sources`` (any nest), averaged over ranks."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat_src = tf.nest.flatten(sources)
+        self.exchanger = _tape_exchanger(self._comp, self._process_set, flat_src)
         flat_g = local_clip(tf.nest.flatten(grads, expand_composites=False),
                             self.exchanger.compression, self.exchanger.size)
         avg = self.exchanger.exchange(flat_g, _var_names(flat_src))

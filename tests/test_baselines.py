@@ -118,6 +118,15 @@ def test_baseline_settings_validate():
     assert dgc.momentum_correction and dgc.bits == 32 and dgc.method == "dgc" and dgc.delay == 1
 
 
+def test_fc_side_settings_accepted_when_the_conv_side_is_dense():
+    cfg = load_config("configs/fashion_mnist_hourglass.yaml",
+                      ["hourglass.fc_method=sgc", "compression.hierarchy=tree", "compression.bits=32"])
+    from hgsgc.hourglass.train import fc_compression_from_config
+
+    fc = fc_compression_from_config(cfg)
+    assert fc.hierarchy == "tree" and fc.bits == 32 and cfg.compression.method == "none"
+
+
 def test_config_builds_each_baseline():
     c = compression_from_config(load_config(CFG, ["compression.method=terngrad",
                                                   "compression.terngrad_clip_sigma=0"]).compression)

@@ -9,6 +9,7 @@ that cannot create them FAILS this test (it does not skip). No sleeps, no wall-c
 """
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -125,3 +126,37 @@ def test_bytes_agree_with_interface_counters(smoke, method):
         per_step = c["iface_tx_bytes_per_step_per_rank"]
         assert per_step >= (1 + FRAMING_FLOOR) * c["bytes_sent_per_step_per_rank"]
         assert c["bytes_sent_per_step_per_rank"] == pytest.approx(c["dense_bytes_per_step_per_rank"], rel=0.01)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("name: x\nhosts: [2\n", "not valid YAML"),
+    ("- a\n- b\n", "a spec is a mapping"),
+    ("bandwith: [1gbit]\nmethods: [{name: a, config: configs/fashion_mnist_dense.yaml}]\n", "unknown key(s) bandwith"),
+    ("hosts: [two]\nmethods: [{name: a, config: configs/fashion_mnist_dense.yaml}]\n", "'hosts' must be"),
+    ("timeout_s: abc\nmethods: [{name: a, config: configs/fashion_mnist_dense.yaml}]\n", "'timeout_s'"),
+    ("bandwidths: [fast]\nmethods: [{name: a, config: configs/fashion_mnist_dense.yaml}]\n", "not a tc rate"),
+    ("methods: [{name: a, config: configs/nope.yaml}]\n", "configs/nope.yaml not found"),
+    ("methods: [{name: a, config: configs/fashion_mnist_dense.yaml, overrides: compression.method=topk}]\n",
+     "overrides must be a list of strings"),
+    ("methods: [{name: a, config: configs/fashion_mnist_dense.yaml, extra: 1}]\n", "unknown key(s) extra"),
+    ("compute_only: [zzz]\nmethods: [{name: a, config: configs/fashion_mnist_dense.yaml}]\n", "unknown method(s) zzz"),
+    ("methods: [{name: 'a b', config: configs/fashion_mnist_dense.yaml}]\n", "must use only letters"),
+])
+def test_bad_specs_fail_before_running(tmp_path, text, needle):
+    from hgsgc.bench import SpecError, load_spec
+
+    p = tmp_path / "spec.yaml"
+    p.write_text(text)
+    with pytest.raises(SpecError) as e:
+        load_spec(str(p))
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("content", ['{"name": "x", "cells": [', '{"name": "x"}', "[1, 2]"])
+def test_rerender_of_a_bad_results_file_is_one_line(tmp_path, content):
+    p = tmp_path / "r.json"
+    p.write_text(content)
+    r = subprocess.run([sys.executable, "-m", "hgsgc.cli", "bench", str(p)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stderr.startswith(f"hgsgc: bench: {p}: cannot re-render"), r.stderr
+    assert "Traceback" not in r.stderr

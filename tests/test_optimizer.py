@@ -125,8 +125,9 @@ def test_tape_inside_tf_function_keeps_compression_state():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(w * w)
             tape = hgsgc.DistributedGradientTape(tape, compression=comp)
+            g = tape.gradient(loss, [w])[0]
             seen.append(tape.exchanger)
-            return tape.gradient(loss, [w])[0]
+            return g
 
         g1 = step()
         g2 = step()
@@ -166,3 +167,32 @@ def test_powersgd_factors_in_state_round_trip():
                                        compression=hgsgc.Compression.powersgd(rank=1))
     fresh.load_hgsgc_state(state)
     np.testing.assert_array_equal(fresh.hgsgc_exchanger.factor_state()[v.name], state["powersgd_q"][v.name])
+
+
+def test_tape_keeps_separate_state_per_model_with_equal_layer_names():
+    comp = hgsgc.Compression.topk(0.25)
+
+    def model(units):
+        return tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(units, name="fc1")])
+
+    a, b, c = model(8), model(8), model(2)
+    x = tf.ones((3, 4))
+    exchangers = []
+    for m in (a, b, c, a):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(x) ** 2)
+        tape = hgsgc.DistributedGradientTape(tape, compression=comp)
+        tape.gradient(loss, m.trainable_variables)
+        exchangers.append(tape.exchanger)
+    assert exchangers[0] is exchangers[3]          # the same model: the same state
+    assert len({id(e) for e in exchangers[:3]}) == 3  # other models: their own, whatever the names
+    assert exchangers[0].stats.snapshot()["exchanges"] == 2
+
+
+def test_residual_name_collision_is_a_clear_error():
+    from hgsgc.compression.memory import ResidualMemory
+
+    mem = ResidualMemory()
+    mem.residual("fc1/kernel:0", [4, 8])
+    with pytest.raises(ValueError, match="share a name"):
+        mem.residual("fc1/kernel:0", [4, 2])

@@ -32,7 +32,12 @@ class ResidualMemory:
                 self._residuals[name] = tf.Variable(
                     tf.zeros(shape, tf.float32), trainable=False,
                     name="hgsgc_residual/" + name.replace(":", "_"))
-        return self._residuals[name]
+        var = self._residuals[name]
+        if tf.TensorShape(shape).is_fully_defined() and var.shape != tf.TensorShape(shape):
+            raise ValueError(f"residual {name!r} has shape {var.shape.as_list()} but a tensor of "
+                             f"shape {tf.TensorShape(shape).as_list()} came with the same name: two "
+                             f"models or variables share a name; give each its own optimizer")
+        return var
 
     def compensate(self, name: str, x: tf.Tensor) -> tf.Tensor:
         """``x + residual[name]`` (float32, x's shape)."""
@@ -56,7 +61,7 @@ class ResidualMemory:
             ValueError: a saved residual's shape differs from an existing one.
         """
         for k, arr in state.items():
-            var = self.residual(k, arr.shape)
-            if tuple(var.shape) != tuple(arr.shape):
-                raise ValueError(f"residual {k!r}: checkpoint shape {arr.shape} != {tuple(var.shape)}")
-            var.assign(arr)
+            if k in self._residuals and tuple(self._residuals[k].shape) != tuple(arr.shape):
+                raise ValueError(f"residual {k!r}: checkpoint shape {arr.shape} != "
+                                 f"{tuple(self._residuals[k].shape)}")
+            self.residual(k, arr.shape).assign(arr)

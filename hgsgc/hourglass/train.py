@@ -270,6 +270,9 @@ def run(cfg, log=print) -> dict:
                 trainer.train_step(data.x_train[bi], data.y_train[bi])
             if first_step_time is None:  # graph tracing: reported apart, not in the mean
                 first_step_time = time.perf_counter() - t0
+                # roles trace different graphs: without this barrier the CONV ranks' second step
+                # would absorb the FC rank's longer first step (tracing), biasing their mean
+                layout.p2p.Barrier()
                 trainer.phase_times(reset=True)  # the profile covers the same steps as the mean
             else:
                 step_times.append(time.perf_counter() - t0)
