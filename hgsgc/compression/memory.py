@@ -33,7 +33,9 @@ class ResidualMemory:
                     tf.zeros(shape, tf.float32), trainable=False,
                     name="hgsgc_residual/" + name.replace(":", "_"))
         var = self._residuals[name]
-        if tf.TensorShape(shape).is_fully_defined() and var.shape != tf.TensorShape(shape):
+        want = tf.TensorShape(shape)
+        # callers may view the same residual flat ([numel]) or shaped: only the size must agree
+        if want.is_fully_defined() and want.num_elements() != var.shape.num_elements():
             raise ValueError(f"residual {name!r} has shape {var.shape.as_list()} but a tensor of "
                              f"shape {tf.TensorShape(shape).as_list()} came with the same name: two "
                              f"models or variables share a name; give each its own optimizer")
