@@ -740,7 +740,11 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    results = run_matrix(spec, log=lambda s: print(s, flush=True), on_cell=save_partial)
+    try:
+        results = run_matrix(spec, log=lambda s: print(s, flush=True), on_cell=save_partial)
+    except KeyboardInterrupt:  # the current cell's cluster was torn down on the way out
+        print(f"hgsgc: bench: interrupted; cells finished so far are in {partial}", file=sys.stderr)
+        return 130
     if os.path.exists(partial):
         os.remove(partial)
     paths = write_outputs(results)
