@@ -319,12 +319,14 @@ class Exchanger:
                 results.append(tf.cast(tf.reshape(avg, t.shape), t.dtype))
         return results
 
-    def _powersgd_factor(self, name, p, q):
+    def _powersgd_factor(self, name, p, q, value=None):
+        """The warm-start factor ``Q`` [p, q] of ``name`` (created from ``value`` or the seeded
+        initial matrix on first use)."""
         if name not in self._powersgd_q:
             with tf.init_scope():
                 self._powersgd_q[name] = tf.Variable(
-                    powersgd.initial_q(name, p, q), trainable=False,
-                    name="hgsgc_powersgd_q/" + name.replace(":", "_"))
+                    powersgd.initial_q(name, p, q) if value is None else tf.constant(value, tf.float32),
+                    trainable=False, name="hgsgc_powersgd_q/" + name.replace(":", "_"))
         return self._powersgd_q[name]
 
     def factor_state(self) -> dict:
@@ -334,13 +336,7 @@ class Exchanger:
     def load_factor_state(self, state: dict):
         """Restore :meth:`factor_state` output (creates the factors not built yet)."""
         for name, q in state.items():
-            if name in self._powersgd_q:
-                self._powersgd_q[name].assign(q)
-            else:
-                with tf.init_scope():
-                    self._powersgd_q[name] = tf.Variable(
-                        q, dtype=tf.float32, trainable=False,
-                        name="hgsgc_powersgd_q/" + name.replace(":", "_"))
+            self._powersgd_factor(name, *q.shape, value=q).assign(q)
 
     def _powersgd(self, tensors, names):
         """PowerSGD (Vogels et al. 2019, Algorithm 1): rank-q power iteration, error feedback."""

@@ -168,7 +168,7 @@ def validate(cfg: Config) -> None:
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
-    fc_sparse = cfg.layout == "hourglass" and cfg.hourglass.fc_method in SPARSE_METHODS
+    fc_sparse = _fc_sparse(cfg)
     if c.hierarchy != "allgather" and not sparse and not fc_sparse:
         bad("compression.hierarchy", c.hierarchy, f"method {c.method} does not exchange top-k "
                                                   "payloads: hierarchies apply to topk, sgc and dgc")
@@ -226,6 +226,11 @@ def validate(cfg: Config) -> None:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
 
 
+def _fc_sparse(cfg: Config) -> bool:
+    """A Hourglass layout whose FC ranks exchange top-k payloads (they use density/bits/hierarchy)."""
+    return cfg.layout == "hourglass" and cfg.hourglass.fc_method in SPARSE_METHODS
+
+
 def _check_unused(cfg: Config, bad) -> None:
     """Settings given for a method or layout that does not use them are errors, not no-ops."""
     c, h = cfg.compression, cfg.hourglass
@@ -236,8 +241,7 @@ def _check_unused(cfg: Config, bad) -> None:
     if c.terngrad_clip_sigma != dc.terngrad_clip_sigma and c.method != "terngrad":
         bad("compression.terngrad_clip_sigma", c.terngrad_clip_sigma,
             f"it applies to method=terngrad only (method is {c.method}): remove it")
-    fc_sparse = cfg.layout == "hourglass" and h.fc_method in SPARSE_METHODS
-    if c.bits is not None and c.method not in SPARSE_METHODS and not fc_sparse:
+    if c.bits is not None and c.method not in SPARSE_METHODS and not _fc_sparse(cfg):
         bad("compression.bits", c.bits, f"method {c.method} has no value bits (they apply to "
                                         "topk, sgc and dgc): remove it")
     if cfg.layout != "hourglass":
