@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hgsgc.data.errors import DataError
+from hgsgc.data.sharding import rank_indices
+
 DEFAULT_PATH = "/usr/share/datasets/fashion-mnist"
 FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -23,10 +26,6 @@ FILES = {
 
 
 NUM_CLASSES = 10  # Fashion-MNIST labels are 0..9
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed (the message names the file and the fix)."""
 
 
 def read_idx(path: str) -> np.ndarray:
@@ -111,9 +110,8 @@ def epoch_batches(n_examples: int, batch_size: int, rank: int, size: int, epoch:
     Returns:
         int64 array ``[steps, batch_size]`` of example indices.
     """
-    perm = np.random.default_rng([seed, epoch]).permutation(n_examples)
     steps = n_examples // (size * batch_size)
-    mine = perm[rank::size][: steps * batch_size]
+    mine = rank_indices(n_examples, rank, size, seed, epoch)[: steps * batch_size]
     return mine.reshape(steps, batch_size)
 
 
