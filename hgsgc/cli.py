@@ -23,36 +23,29 @@ def _world_rank() -> int:
     return 0
 
 
-def _abort(code: int):
-    try:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1:
-            MPI.COMM_WORLD.Abort(code)
-    except Exception:  # pragma: no cover - no MPI: plain exit
-        pass
-    sys.exit(code)
-
-
 def run_guarded(fn, *args, **kwargs):
-    """Call ``fn``; if it raises on this rank, print one line and abort the whole MPI job.
+    """Call ``fn``; if it raises, print the error once for the whole job and end every rank.
 
-    ``MPI.COMM_WORLD.Abort(1)`` makes ``mpirun`` kill every rank, including ranks blocked in a
-    collective waiting for this one, so the job ends with a non-zero exit instead of hanging.
+    An error every rank raises alike (e.g. a data error, an agreed checkpoint error) is printed
+    once by rank 0 and every rank exits 1; an error on some ranks only is printed by each failing
+    rank (``hgsgc: error on rank R: ...``), which then calls ``MPI.COMM_WORLD.Abort(1)`` so ranks
+    blocked in a collective waiting for it end too (:func:`hgsgc.faults.report_error`).
+    ``SystemExit`` passes through (preemption exits with status 75 on every rank).
     Set ``HGSGC_DEBUG=1`` for the full traceback.
 
     Returns:
         ``fn``'s return value when it does not raise.
     """
+    from hgsgc.faults import error_comm, report_error
+
+    comm = error_comm()  # collective Dup before fn runs, on every rank
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
         if os.environ.get("HGSGC_DEBUG"):
             traceback.print_exc()
-        print(f"hgsgc: error on rank {_world_rank()}: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
-        _abort(1)
-        raise SystemExit(1)
+        code = report_error(exc, comm)
+        raise SystemExit(code)
 
 
 def cmd_train(args) -> int:

@@ -57,6 +57,7 @@ class TrainConfig:
     threads: int = 0  # TF threads per rank; 0 = cores / ranks on the host
     max_steps_per_epoch: int = 0  # 0 = the whole epoch
     progress: bool = True  # Keras progress bar on rank 0
+    deterministic: bool = False  # TensorFlow op determinism (bit-exact resume; docs/reliability.md)
 
 
 @dataclass
@@ -86,6 +87,24 @@ class HourglassConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints and resume (docs/reliability.md)."""
+    dir: Optional[str] = None  # default: <run.out_dir>/<run.id>/checkpoints
+    every_steps: int = 0  # 0 = off
+    every_minutes: float = 0.0  # 0 = off (rank 0's clock, agreed among ranks)
+    at_end: bool = True  # also after the last step
+    keep: int = 2  # complete checkpoints kept
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | <checkpoint folder>
+
+
+@dataclass
+class FaultConfig:
+    """Reaction to faults (docs/reliability.md)."""
+    nonfinite: str = "skip"  # NaN/Inf gradient on any rank: skip the step on every rank | raise
+    stall_timeout_s: float = 0.0  # > 0: end the job when a rank issues no collective this long
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -94,6 +113,8 @@ class Config:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     layout: str = "data_parallel"  # data_parallel | hourglass
     hourglass: HourglassConfig = field(default_factory=HourglassConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
 
 def _valid_keys(node, prefix=""):
@@ -210,6 +231,23 @@ def validate(cfg: Config) -> None:
         bad("model.name", cfg.model.name, f"use one of {', '.join(MODELS)}")
     if cfg.layout not in LAYOUTS:
         bad("layout", cfg.layout, f"use one of {', '.join(LAYOUTS)}")
+    k = cfg.checkpoint
+    for key, v in (("checkpoint.every_steps", k.every_steps), ("checkpoint.every_minutes", k.every_minutes)):
+        if not (math.isfinite(v) and v >= 0):
+            bad(key, v, "must be >= 0 (0 = off)")
+    if k.keep < 1:
+        bad("checkpoint.keep", k.keep, "must be >= 1 (complete checkpoints kept)")
+    if not k.resume:
+        bad("checkpoint.resume", k.resume, "use auto, never or a checkpoint folder")
+    if cfg.faults.nonfinite not in ("skip", "raise"):
+        bad("faults.nonfinite", cfg.faults.nonfinite, "use skip (skip the step on every rank) or raise")
+    if not (math.isfinite(cfg.faults.stall_timeout_s) and cfg.faults.stall_timeout_s >= 0):
+        bad("faults.stall_timeout_s", cfg.faults.stall_timeout_s, "must be >= 0 seconds (0 = off)")
+    if c.warmup_steps and c.delay > 1 and c.warmup_steps // 4 < c.delay:
+        bad("compression.warmup_steps", c.warmup_steps,
+            f"with delay={c.delay} each of the 4 warm-up stages lasts warmup_steps // 4 = "
+            f"{c.warmup_steps // 4} steps, fewer than one synchronization every {c.delay} steps, "
+            f"so some densities would never reach an exchange: use warmup_steps >= {4 * c.delay}")
     h = cfg.hourglass
     _check_unused(cfg, bad)
     if not (h.fc_workers == "auto" or (isinstance(h.fc_workers, int) and not isinstance(h.fc_workers, bool)

@@ -118,10 +118,17 @@ def run(cfg, log=print) -> dict:
     from hgsgc.data import epoch_batches, load_fashion_mnist, shard
     from hgsgc.models import build_model
 
+    from hgsgc import checkpoint as ckpt
+    from hgsgc.faults import Preempted, StepAgreement, configure_stall_check, world_comm
+
+    configure_stall_check(cfg.faults.stall_timeout_s)  # before hvd.init (Horovod reads it there)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     is_root = rank == 0
     tf.keras.utils.set_random_seed(cfg.run.seed)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    comm = world_comm()
 
     data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
     steps_per_epoch = len(data.x_train) // (size * cfg.train.batch_size)
@@ -138,6 +145,8 @@ def run(cfg, log=print) -> dict:
         lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
     opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
     opt = hgsgc.DistributedOptimizer(opt, compression=compression)
+    if hasattr(opt, "hgsgc_set_nonfinite"):
+        opt.hgsgc_set_nonfinite(cfg.faults.nonfinite)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
@@ -172,7 +181,29 @@ def run(cfg, log=print) -> dict:
         return sums[0] / sums[2], sums[1] / sums[2]
 
     run_id = cfg.run.id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if comm is not None:
+        run_id = comm.bcast(run_id, root=0)  # same directory even if the clock ticks between ranks
     run_dir = os.path.join(cfg.run.out_dir, run_id)
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    identity = {"world_size": size, "layout": "data_parallel", "model": cfg.model.name,
+                "parameters": ckpt.parameter_shapes(model.variables),
+                "compression": compression.to_dict()}
+    resume_from = ckpt.resolve(ckpt_dir, cfg.checkpoint.resume, identity, comm)
+    loop = {"global_step": 0, "history": [], "losses": [], "before": None,
+            "step_times": [], "first_step_time": None, "wall_s": 0.0}
+    if resume_from is not None:
+        path, man = resume_from
+        try:
+            saved = ckpt.load_rank(path, man, rank)
+            ckpt.load_model_state(model, saved["model"])
+            ckpt.load_optimizer_state(opt, model.trainable_variables, saved["optimizer"])
+            loop.update(saved["loop"])
+            err = None
+        except (ckpt.CheckpointError, KeyError, ValueError) as exc:
+            err = exc
+        ckpt.agree_on_error(comm, err, f"resume from {path}")
+        if is_root:
+            log(f"hgsgc: resuming from {path} (step {loop['global_step']})")
     if is_root:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -185,66 +216,116 @@ def run(cfg, log=print) -> dict:
     stats = opt.hgsgc_stats
     d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     grad_bytes = 4 * d
-    t_start = time.perf_counter()
-    step_times, history, total_steps = [], [], 0
-    first_step_time = None
-    metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w") if is_root else None
-    for epoch in range(cfg.train.epochs):
-        batches = epoch_batches(len(data.x_train), cfg.train.batch_size, rank, size, epoch,
-                                cfg.run.seed)[:steps_per_epoch]
-        before = stats.snapshot()
-        bar = None
-        if is_root and cfg.train.progress:
-            # not a terminal (log file, CI): a line every 15 s instead of every 0.05 s
-            bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step",
-                                         interval=0.05 if sys.stdout.isatty() else 15.0)
-        losses = []
-        epoch_t0 = time.perf_counter()
-        for i, b in enumerate(batches):
-            retrace = False
-            if schedule is not None:
-                want = schedule(total_steps + i)
-                if want != current_density:  # density warm-up stage: new k, so a new graph
-                    opt.hgsgc_set_density(want)
-                    current_density = want
-                    train_step = tf.function(step_fn)
-                    retrace = True
-            t0 = time.perf_counter()
-            loss = float(train_step(data.x_train[b], data.y_train[b]))
-            if first_step_time is None:  # graph tracing: reported apart, not in the mean
-                first_step_time = time.perf_counter() - t0
-            elif not retrace:
-                step_times.append(time.perf_counter() - t0)
-            losses.append(loss)
-            if bar is not None:
-                bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
-        opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
-        epoch_time = time.perf_counter() - epoch_t0
-        total_steps += len(batches)
-        after = stats.snapshot()
-        diff = {k: after[k] - before[k] for k in after}
-        test_loss, test_acc = evaluate()
-        n_steps = max(1, len(batches))
-        rec = {
-            "epoch": epoch + 1,
-            "steps": len(batches),
-            "train_loss": float(np.mean(losses)) if losses else float("nan"),
-            "test_loss": test_loss,
-            "test_accuracy": test_acc,
-            "epoch_time_s": epoch_time,
-            "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
-            **byte_figures(diff, len(batches), size, grad_bytes),
-        }
-        history.append(rec)
-        if is_root:
+    t_start = time.perf_counter() - loop["wall_s"]
+    step_times, history, total_steps = list(loop["step_times"]), list(loop["history"]), 0
+    first_step_time = loop["first_step_time"]
+    start_step = int(loop["global_step"])
+    metrics_f = None
+    if is_root:
+        metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        for rec in history:  # metrics so far (a resumed run rewrites them)
             metrics_f.write(json.dumps(rec) + "\n")
-            metrics_f.flush()
-            log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {rec['train_loss']:.4f} "
-                f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
-                f"step {rec['mean_step_time_s'] * 1e3:.1f} ms "
-                f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
-                f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
-                f"compression_ratio {rec['compression_ratio']:.1f}")
+        metrics_f.flush()
+    agreement = StepAgreement(comm, cfg.checkpoint.every_minutes)
+    last_saved = None
+    traced = False  # this process's first step traces the graph (also after a resume)
+
+    def save_checkpoint(step, epoch_losses, before):
+        nonlocal last_saved
+        state = {"model": ckpt.model_state(model),
+                 "optimizer": ckpt.optimizer_state(opt),
+                 "loop": {"global_step": int(step), "history": history, "losses": list(epoch_losses),
+                          "before": before, "step_times": step_times,
+                          "first_step_time": first_step_time,
+                          "wall_s": time.perf_counter() - t_start}}
+        path = ckpt.save(ckpt_dir, step, state, identity, comm, keep=cfg.checkpoint.keep,
+                         extra={"history": history})
+        last_saved = step
+        return path
+
+    try:
+        for epoch in range(cfg.train.epochs):
+            if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
+                total_steps += steps_per_epoch  # finished before the checkpoint
+                continue
+            batches = epoch_batches(len(data.x_train), cfg.train.batch_size, rank, size, epoch,
+                                    cfg.run.seed)[:steps_per_epoch]
+            skip = max(0, start_step - epoch * steps_per_epoch)  # data-order position
+            resumed = skip > 0 and loop["before"] is not None
+            before = loop["before"] if resumed else stats.snapshot()
+            bar = None
+            if is_root and cfg.train.progress:
+                # not a terminal (log file, CI): a line every 15 s instead of every 0.05 s
+                bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step",
+                                             interval=0.05 if sys.stdout.isatty() else 15.0)
+            losses = list(loop["losses"]) if resumed else []
+            epoch_t0 = time.perf_counter()
+            for i in range(skip, len(batches)):
+                b = batches[i]
+                retrace = False
+                if schedule is not None:
+                    want = schedule(total_steps + i)
+                    if want != current_density:  # density warm-up stage: new k, so a new graph
+                        opt.hgsgc_set_density(want)
+                        current_density = want
+                        train_step = tf.function(step_fn)
+                        retrace = True
+                t0 = time.perf_counter()
+                loss = float(train_step(data.x_train[b], data.y_train[b]))
+                if not traced:  # graph tracing: reported apart, not in the mean
+                    traced = True
+                    if first_step_time is None:
+                        first_step_time = time.perf_counter() - t0
+                elif not retrace:
+                    step_times.append(time.perf_counter() - t0)
+                losses.append(loss)
+                if bar is not None:
+                    bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
+                step = total_steps + i + 1
+                signame, timed = agreement.after_step()
+                every = cfg.checkpoint.every_steps
+                if signame or timed or (every and step % every == 0):
+                    path = save_checkpoint(step, losses, before)
+                    if signame:
+                        if is_root:
+                            log(f"hgsgc: {signame} received: checkpoint of step {step} written to "
+                                f"{path}; exiting with status 75 so the job is requeued")
+                        raise Preempted(step, signame, path)
+            opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
+            epoch_time = time.perf_counter() - epoch_t0
+            total_steps += len(batches)
+            after = stats.snapshot()
+            diff = {k: after[k] - before[k] for k in after}
+            test_loss, test_acc = evaluate()
+            n_steps = max(1, len(batches))
+            rec = {
+                "epoch": epoch + 1,
+                "steps": len(batches),
+                "train_loss": float(np.mean(losses)) if losses else float("nan"),
+                "test_loss": test_loss,
+                "test_accuracy": test_acc,
+                "epoch_time_s": epoch_time,
+                "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
+                **byte_figures(diff, len(batches), size, grad_bytes),
+            }
+            if getattr(opt, "hgsgc_skipped_steps", None) is not None:
+                rec["skipped_nonfinite_steps"] = int(opt.hgsgc_skipped_steps)
+            history.append(rec)
+            loop["losses"], loop["before"] = [], None
+            if is_root:
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+                log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {rec['train_loss']:.4f} "
+                    f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
+                    f"step {rec['mean_step_time_s'] * 1e3:.1f} ms "
+                    f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
+                    f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
+                    f"compression_ratio {rec['compression_ratio']:.1f}")
+        agreement.drain()
+        if cfg.checkpoint.at_end:  # after the epoch-end sync (replaces a same-step checkpoint)
+            save_checkpoint(total_steps, [], None)
+    finally:
+        agreement.close()
     wall = time.perf_counter() - t_start
     if metrics_f:
         metrics_f.close()

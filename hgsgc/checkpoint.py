@@ -1,0 +1,606 @@
+"""Atomic, multi-rank checkpoints of the full training state (no pickle).
+
+Layout on disk (one folder per checkpoint, every rank writes its own file)::
+
+    <dir>/step-00000120/rank-00000.npz     rank 0's state tree
+    <dir>/step-00000120/rank-00001.npz     rank 1's (residuals, anchors ... differ per rank)
+    <dir>/step-00000120/manifest.json      written LAST, by rank 0, after every rank's file is
+                                           durable: format, step, world size, the run's
+                                           identity (model, parameter shapes, compression,
+                                           layout) and each file's byte count and SHA-256
+
+A checkpoint is *complete* exactly when its ``manifest.json`` exists and every file it lists has
+the recorded size and SHA-256. Every file is written to a temporary name in the same folder,
+flushed, ``fsync``-ed, renamed over its final name (``os.replace``, atomic on POSIX), and the
+folder is ``fsync``-ed; so a writer killed at any point leaves either no manifest (the folder is
+ignored and the previous checkpoint is used) or a complete checkpoint.
+
+State trees are nested ``dict`` (string keys) / ``list`` / ``tuple`` of numpy arrays, numpy
+scalars and Python ``int``/``float``/``bool``/``str``/``None``. They are stored with
+:func:`numpy.savez` (arrays, bit-exact, any numeric dtype) plus a JSON description of the tree
+(``__tree__``), and read with ``numpy.load(allow_pickle=False)``: loading a checkpoint never
+unpickles anything, so a tampered file cannot run code. Object arrays are refused at save.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+FORMAT = "hgsgc-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read (the message names the path and the cause).
+
+    ``all_ranks`` is True when every rank raises the same error at the same point (agreed through
+    a collective), so the command line prints it once.
+    """
+
+    all_ranks = False
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint belongs to a different run (rank count, model, compression or layout);
+    the message names every field that differs, with both values."""
+
+
+# ---------------------------------------------------------------------------------------------
+# state trees <-> npz
+
+def _spec(node, arrays: Dict[str, np.ndarray], path: str):
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if not isinstance(k, str):
+                raise TypeError(f"checkpoint state {path or '<root>'}: dict keys must be str, "
+                                f"got {k!r} ({type(k).__name__})")
+            out[k] = _spec(v, arrays, f"{path}/{k}")
+        return {"t": "dict", "v": out}
+    if isinstance(node, (list, tuple)):
+        return {"t": "list" if isinstance(node, list) else "tuple",
+                "v": [_spec(v, arrays, f"{path}/{i}") for i, v in enumerate(node)]}
+    if node is None or isinstance(node, (bool, str)):
+        return {"t": "py", "v": node}
+    if isinstance(node, int):
+        return {"t": "int", "v": str(node)}  # exact at any size
+    if isinstance(node, float):
+        return {"t": "float", "v": node.hex()}  # exact, NaN and inf included
+    if hasattr(node, "numpy") and not isinstance(node, np.ndarray):  # tf.Tensor / tf.Variable
+        node = node.numpy()
+    if isinstance(node, (np.ndarray, np.generic)):
+        arr = np.asarray(node)
+        if arr.dtype.hasobject:
+            raise TypeError(f"checkpoint state {path}: object arrays cannot be stored without "
+                            f"pickle; convert to a numeric array")
+        key = f"a{len(arrays)}"
+        arrays[key] = arr
+        return {"t": "scalar" if isinstance(node, np.generic) else "array", "k": key}
+    raise TypeError(f"checkpoint state {path or '<root>'}: unsupported leaf type "
+                    f"{type(node).__name__}; use numpy arrays, int, float, bool, str or None")
+
+
+def _unspec(spec, arrays):
+    t = spec["t"]
+    if t == "dict":
+        return {k: _unspec(v, arrays) for k, v in spec["v"].items()}
+    if t in ("list", "tuple"):
+        items = [_unspec(v, arrays) for v in spec["v"]]
+        return items if t == "list" else tuple(items)
+    if t == "py":
+        return spec["v"]
+    if t == "int":
+        return int(spec["v"])
+    if t == "float":
+        return float.fromhex(spec["v"])
+    if t == "array":
+        return arrays[spec["k"]]
+    if t == "scalar":
+        return arrays[spec["k"]][()]
+    raise CheckpointError(f"unknown node type {t!r} in checkpoint tree")
+
+
+def tree_to_bytes(tree) -> bytes:
+    """Serialise a state tree to the bytes of an ``.npz`` file (no pickle).
+
+    Raises:
+        TypeError: a leaf that cannot be stored without pickle (object arrays, other classes).
+    """
+    arrays: Dict[str, np.ndarray] = {}
+    spec = _spec(tree, arrays, "")
+    meta = np.frombuffer(json.dumps(spec).encode(), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, __tree__=meta, **arrays)
+    return buf.getvalue()
+
+
+def tree_from_bytes(data: bytes, what: str = "checkpoint file"):
+    """Inverse of :func:`tree_to_bytes`; never unpickles.
+
+    Raises:
+        CheckpointError: not an hgsgc state file (or it is corrupt).
+    """
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        spec = json.loads(arrays.pop("__tree__").tobytes().decode())
+        return _unspec(spec, arrays)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{what} is not a readable hgsgc state file: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic files
+
+def _fsync_dir(path: str):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes):
+    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync the folder.
+
+    On failure the temporary file is removed and ``path`` (if it existed) is untouched.
+
+    Raises:
+        OSError: the folder is not writable, the disk is full, ... (the caller wraps it).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{int(step):08d}")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{int(rank):05d}.npz"
+
+
+def _io_error(action, path, exc, previous):
+    prev = (f"the previous checkpoint {previous} is intact" if previous
+            else "no earlier checkpoint was affected")
+    return CheckpointError(f"cannot {action} {path}: {exc.strerror or exc} "
+                           f"(errno {exc.errno}); {prev}. Fix: make checkpoint.dir writable, free "
+                           f"disk space, or point checkpoint.dir elsewhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# finding and checking checkpoints
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint folder ``path``.
+
+    Raises:
+        CheckpointError: no manifest (incomplete checkpoint), unreadable, or another format.
+    """
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, "rb") as f:
+            man = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete "
+                              f"(its writer stopped half-way)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {mpath}: {exc}") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath} is not an {FORMAT} manifest")
+    return man
+
+
+def verify(path: str, manifest: Optional[dict] = None, hashes: bool = False) -> dict:
+    """Check that every file of checkpoint ``path`` exists with its recorded size (and SHA-256
+    if ``hashes``). Returns the manifest.
+
+    Raises:
+        CheckpointError: naming the missing or damaged file.
+    """
+    man = manifest if manifest is not None else read_manifest(path)
+    for name, info in man["files"].items():
+        fp = os.path.join(path, name)
+        try:
+            size = os.path.getsize(fp)
+        except OSError:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing") from None
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes, the manifest "
+                                  f"says {info['bytes']}")
+        if hashes:
+            with open(fp, "rb") as f:
+                if _sha256(f.read()) != info["sha256"]:
+                    raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check")
+    return man
+
+
+def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``(step, folder)`` of every checkpoint folder (complete or not), newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        m = _STEP_RE.match(n)
+        if m and os.path.isdir(os.path.join(directory, n)):
+            out.append((int(m.group(1)), os.path.join(directory, n)))
+    return sorted(out, reverse=True)
+
+
+def latest(directory: str) -> Optional[str]:
+    """The newest COMPLETE checkpoint folder in ``directory`` (None if there is none).
+
+    Folders without a manifest, or whose files do not match it, are skipped: a write killed
+    half-way never hides the previous checkpoint.
+    """
+    for _, path in list_checkpoints(directory):
+        try:
+            verify(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def describe_differences(saved: dict, current: dict) -> List[str]:
+    """Human-readable differences between two run identities (``manifest["run"]``)."""
+    labels = {"world_size": "rank count", "model": "model", "parameters": "parameter shapes",
+              "compression": "compression", "layout": "layout", "roles": "Hourglass roles",
+              "fc_compression": "FC compression"}
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True):
+            continue
+        label = labels.get(key, key)
+        if key == "parameters" and isinstance(a, dict) and isinstance(b, dict):
+            names = sorted(set(a) | set(b))
+            bad = [f"{n}: {a.get(n, 'absent')} vs {b.get(n, 'absent')}" for n in names
+                   if a.get(n) != b.get(n)][:3]
+            diffs.append(f"{label} differ ({'; '.join(bad)})")
+        else:
+            diffs.append(f"{label}: checkpoint {json.dumps(a, sort_keys=True)}, "
+                         f"this run {json.dumps(b, sort_keys=True)}")
+    return diffs
+
+
+def check_compatible(manifest: dict, run: dict, path: str = "checkpoint"):
+    """Refuse a checkpoint of another run.
+
+    Args:
+        manifest: the checkpoint's manifest (its ``run`` entry is compared).
+        run: this run's identity: ``world_size``, ``model``, ``parameters`` (name -> shape),
+            ``compression`` (settings dict), ``layout`` and any other JSON values.
+
+    Raises:
+        CheckpointMismatch: naming every field that differs, with both values.
+    """
+    diffs = describe_differences(manifest.get("run", {}), run)
+    if diffs:
+        raise CheckpointMismatch(f"{path} was written by a different run: {'; '.join(diffs)}. "
+                                 f"Resume with the original settings, or start afresh with "
+                                 f"checkpoint.resume=never or another checkpoint.dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-rank save / load (collective over an mpi4py communicator)
+
+class _SoloComm:
+    """A one-rank stand-in for an mpi4py communicator (single-process use and tests)."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def allgather(self, x):
+        return [x]
+
+    def bcast(self, x, root=0):
+        return x
+
+    def Barrier(self):
+        pass
+
+
+def _comm(comm):
+    return comm if comm is not None else _SoloComm()
+
+
+def _agree(comm, local_error: Optional[str], what: str):
+    """Every rank learns every rank's error; all raise the same CheckpointError if any failed."""
+    errors = comm.allgather(local_error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        r, e = bad[0]
+        more = f" (and {len(bad) - 1} other rank(s))" if len(bad) > 1 else ""
+        err = CheckpointError(f"{what} failed on rank {r}{more}: {e}")
+        err.all_ranks = True
+        raise err
+
+
+def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
+         extra: Optional[dict] = None) -> str:
+    """Write this rank's ``state`` tree into checkpoint ``step`` (a collective over ``comm``).
+
+    Every rank writes ``rank-RRRRR.npz`` atomically; the ranks agree that all files are durable;
+    rank 0 writes the manifest (atomically, last) and removes all but the newest ``keep``
+    complete checkpoints (and incomplete ones older than the new one).
+
+    Args:
+        directory: checkpoint folder (created if missing; must be shared by all ranks).
+        step: global step the state was taken after (the folder's name).
+        state: this rank's state tree (see the module docstring for allowed leaves).
+        run: the run identity checked on resume (:func:`check_compatible`).
+        comm: mpi4py communicator of all ranks (None: single process).
+        keep: complete checkpoints to keep (>= 1).
+        extra: JSON-able values stored in the manifest (e.g. metrics so far).
+
+    Returns:
+        the checkpoint folder.
+
+    Raises:
+        CheckpointError: on every rank alike (``all_ranks``) if any rank could not write; the
+            previous complete checkpoint is untouched.
+        TypeError: a state leaf that cannot be stored without pickle.
+    """
+    comm = _comm(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    previous = None
+    if rank == 0:
+        previous = latest(directory)
+    previous = comm.bcast(previous, root=0)
+    path = step_dir(directory, step)
+    data = tree_to_bytes(state)  # TypeError before any I/O: same tree kinds on every rank
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if os.path.exists(os.path.join(path, MANIFEST)):  # re-saving the same step
+                os.unlink(os.path.join(path, MANIFEST))
+                _fsync_dir(path)
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            err = str(_io_error("create checkpoint folder", path, exc, previous))
+    _agree(comm, err, "checkpoint")
+    info = None
+    try:
+        atomic_write(os.path.join(path, rank_file(rank)), data)
+        info = {"bytes": len(data), "sha256": _sha256(data)}
+        err = None
+    except OSError as exc:
+        err = str(_io_error("write", os.path.join(path, rank_file(rank)), exc, previous))
+    infos = comm.allgather(info)
+    _agree(comm, err, "checkpoint")
+    if rank == 0:
+        man = {"format": FORMAT, "step": int(step), "world_size": size,
+               "created_unix": time.time(), "run": run, "extra": extra or {},
+               "files": {rank_file(r): infos[r] for r in range(size)}}
+        try:
+            atomic_write(os.path.join(path, MANIFEST),
+                         json.dumps(man, indent=1, sort_keys=True).encode())
+            err = None
+        except OSError as exc:
+            err = str(_io_error("write", os.path.join(path, MANIFEST), exc, previous))
+        if err is None:
+            _prune(directory, keep, int(step))
+    err = comm.bcast(err if rank == 0 else None, root=0)
+    _agree(comm, err if rank == 0 else None, "checkpoint")
+    return path
+
+
+def _prune(directory, keep, newest_step):
+    complete = 0
+    for step, path in list_checkpoints(directory):
+        is_complete = os.path.exists(os.path.join(path, MANIFEST))
+        if step > newest_step:
+            continue  # never touch a newer folder (another writer)
+        if is_complete:
+            complete += 1
+            if complete <= keep:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve(directory: str, resume: str, run: dict, comm=None) -> Optional[Tuple[str, dict]]:
+    """Which checkpoint to resume from (rank 0 decides; every rank gets the same answer).
+
+    Args:
+        resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or none),
+            ``"never"``, or a checkpoint folder path (must be complete).
+        run: this run's identity (compatibility check).
+
+    Returns:
+        ``(folder, manifest)`` or None to start afresh.
+
+    Raises:
+        CheckpointMismatch: the checkpoint is from another run (every rank alike).
+        CheckpointError: an explicit path that is not a complete checkpoint.
+    """
+    comm = _comm(comm)
+    answer = None
+    if comm.Get_rank() == 0:
+        try:
+            if resume == "never":
+                answer = ("none", None, None)
+            else:
+                path = latest(directory) if resume == "auto" else resume
+                if path is None:
+                    answer = ("none", None, None)
+                else:
+                    man = verify(path)
+                    check_compatible(man, run, path)
+                    answer = ("ok", path, man)
+        except CheckpointError as exc:
+            answer = ("error", type(exc).__name__, str(exc))
+    kind, a, b = comm.bcast(answer, root=0)
+    if kind == "error":
+        err = (CheckpointMismatch if a == "CheckpointMismatch" else CheckpointError)(b)
+        err.all_ranks = True
+        raise err
+    if kind == "none":
+        return None
+    return a, b
+
+
+def load_rank(path: str, manifest: dict, rank: int):
+    """This rank's state tree from checkpoint ``path`` (SHA-256 checked, no pickle).
+
+    Raises:
+        CheckpointError: the file is missing, damaged or the checkpoint has no such rank.
+    """
+    name = rank_file(rank)
+    info = manifest["files"].get(name)
+    if info is None:
+        raise CheckpointError(f"checkpoint {path} has no state for rank {rank} "
+                              f"(written by {manifest['world_size']} ranks)")
+    fp = os.path.join(path, name)
+    try:
+        with open(fp, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {fp}: {exc}") from None
+    if _sha256(data) != info["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check (damaged)")
+    return tree_from_bytes(data, fp)
+
+
+def agree_on_error(comm, exc: Optional[BaseException], what: str):
+    """Collective: if any rank's ``exc`` is set, every rank raises the same CheckpointError."""
+    _agree(_comm(comm), None if exc is None else f"{type(exc).__name__}: {exc}", what)
+
+
+__all__ = ["CheckpointError", "CheckpointMismatch", "FORMAT", "atomic_write", "check_compatible",
+           "describe_differences", "latest", "list_checkpoints", "load_rank", "read_manifest",
+           "resolve", "save", "step_dir", "tree_from_bytes", "tree_to_bytes", "verify",
+           "agree_on_error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# what a training rank saves: model, optimizer slots, the hgsgc state tree
+
+def optimizer_state(opt) -> dict:
+    """This rank's optimizer state: the Keras optimizer's weights (iterations, which drives the
+    learning-rate schedule, hyperparameters and slots such as momentum) and, for an
+    :func:`hgsgc.DistributedOptimizer`, its full ``hgsgc_state()`` tree (residuals, PowerSGD
+    factors, delay anchors and local step, DGC velocity, exchange counters).
+    """
+    out = {"keras": [np.asarray(w) for w in opt.get_weights()]}
+    if hasattr(opt, "hgsgc_state"):
+        hs = dict(opt.hgsgc_state())
+        # older optimizers kept some state outside hgsgc_state(): add it here
+        vel = getattr(opt, "_hgsgc_velocity", None)
+        if vel and "velocity" not in hs:
+            hs["velocity"] = {k: v.numpy() for k, v in vel.items()}
+        if "stats" not in hs and hasattr(opt, "hgsgc_stats"):
+            hs["stats"] = opt.hgsgc_stats.snapshot()
+        out["hgsgc"] = hs
+    return out
+
+
+def load_optimizer_state(opt, variables, state: dict):
+    """Restore :func:`optimizer_state` output before the first step (slots and anchors are
+    created for ``variables`` first, so nothing is left to lazy creation).
+
+    Raises:
+        CheckpointMismatch: the saved optimizer has a different number of weights.
+    """
+    import tensorflow as tf
+
+    variables = list(variables)
+    if hasattr(opt, "_create_all_weights"):
+        opt._create_all_weights(variables)
+    keras = state.get("keras", [])
+    if len(keras) != len(opt.get_weights()):
+        raise CheckpointMismatch(f"the checkpoint's optimizer has {len(keras)} weights, this "
+                                 f"one {len(opt.get_weights())} (another optimizer or momentum)")
+    if keras:
+        opt.set_weights(keras)
+    hs = state.get("hgsgc")
+    if hs is None or not hasattr(opt, "load_hgsgc_state"):
+        return
+    if "anchors" in hs and getattr(opt, "_hgsgc_anchors", "x") is None \
+            and hasattr(opt, "_hgsgc_build_delay"):
+        opt._hgsgc_build_delay(variables)
+    opt.load_hgsgc_state(hs)
+    vel = getattr(opt, "_hgsgc_velocity", None)
+    if "velocity" in hs and vel is not None:
+        for name, arr in hs["velocity"].items():
+            if name not in vel:
+                vel[name] = tf.Variable(tf.zeros(arr.shape, tf.float32), trainable=False,
+                                        name="hgsgc_velocity/" + name.replace(":", "_"))
+            vel[name].assign(arr)
+    if "stats" in hs and hasattr(opt, "hgsgc_stats"):
+        for k, v in hs["stats"].items():
+            if k in opt.hgsgc_stats.vars:
+                opt.hgsgc_stats.vars[k].assign(int(v))
+
+
+def model_state(model) -> list:
+    """Every variable of ``model`` (trainable or not) as numpy arrays, in ``model.variables`` order."""
+    return [v.numpy() for v in model.variables]
+
+
+def load_model_state(model, arrays, what="model"):
+    """Assign :func:`model_state` output back.
+
+    Raises:
+        CheckpointMismatch: a different number of variables or a shape differs (named).
+    """
+    vs = model.variables
+    if len(vs) != len(arrays):
+        raise CheckpointMismatch(f"the checkpoint's {what} has {len(arrays)} variables, this one "
+                                 f"{len(vs)}")
+    for v, a in zip(vs, arrays):
+        if tuple(v.shape) != tuple(a.shape):
+            raise CheckpointMismatch(f"{what} variable {v.name}: checkpoint shape {list(a.shape)}, "
+                                     f"this run {v.shape.as_list()}")
+        v.assign(a)
+
+
+def parameter_shapes(variables) -> dict:
+    """``{variable name: shape list}`` (a run-identity entry)."""
+    out = {}
+    for i, v in enumerate(variables):
+        name = v.name if v.name not in out else f"{v.name}#{i}"
+        out[name] = [int(x) for x in v.shape]
+    return out

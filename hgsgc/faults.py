@@ -1,0 +1,235 @@
+"""Preemption (SIGTERM / SIGUSR1), agreement among ranks, and errors reported once.
+
+Preemption: a Slurm job about to be stopped gets ``SIGTERM`` (or, with
+``#SBATCH --signal=USR1@60``, ``SIGUSR1`` a minute earlier). Any rank may receive it, at any
+moment of a step. :class:`StepAgreement` turns "some rank got a signal" into "every rank stops
+after the same step": a signal handler only sets a flag; after every step each rank contributes
+its flags to a non-blocking ``MPI_Iallreduce(MAX)`` and reads the result of the previous step's
+reduction, so all ranks see the same flags after the same step (one step after the signal at
+most) and the check costs no synchronous round trip. The runner then writes a checkpoint and
+exits with :data:`PREEMPTED_EXIT` (75, ``EX_TEMPFAIL``: "try again later"), the status the Slurm
+template requeues on.
+
+Errors: :func:`run_guarded` (used by ``hgsgc train``) prints a failure once: an error every rank
+raised at the same point (an agreed checkpoint error, a data error on every rank) is printed by
+rank 0 alone; an error on some ranks only is printed by each failing rank, which then aborts the
+MPI job so ranks waiting in a collective do not hang.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): the job should be requeued
+SIGNALS = ("SIGTERM", "SIGUSR1")
+FLAG_SIGNAL, FLAG_TIMED = 0, 1
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is written; exit status 75."""
+
+    def __init__(self, step: int, signame: str, path: Optional[str]):
+        super().__init__(PREEMPTED_EXIT)
+        self.step, self.signame, self.path = step, signame, path
+
+
+class StepAgreement:
+    """Signal flags and timed checkpoints agreed among all ranks after each step.
+
+    Args:
+        comm: an mpi4py communicator of all ranks (a ``Dup`` of ``COMM_WORLD``; None for one
+            process). Every rank must call :meth:`after_step` once per step, in step order.
+        every_minutes: rank 0's clock asks for a timed checkpoint this often (0 = never).
+        install: install the SIGTERM / SIGUSR1 handlers (restored by :meth:`close`).
+
+    ``after_step()`` returns ``(signal_name or None, timed: bool)``, identical on every rank.
+    """
+
+    def __init__(self, comm=None, every_minutes: float = 0.0, install: bool = True):
+        self.comm = comm
+        self.every_s = float(every_minutes) * 60.0
+        self.flags = np.zeros(2, np.int32)
+        self._last_time = time.monotonic()
+        self._pending = None
+        self._recv = np.zeros(2, np.int32)
+        self._old = {}
+        self.signal_received = 0
+        if install:
+            for name in SIGNALS:
+                sig = getattr(signal, name)
+                try:
+                    self._old[sig] = signal.signal(sig, self._handler)
+                except ValueError:  # not the main thread
+                    pass
+
+    def _handler(self, signum, frame):
+        self.flags[FLAG_SIGNAL] = max(int(self.flags[FLAG_SIGNAL]), int(signum))
+        self.signal_received = int(signum)
+
+    def _local(self):
+        out = self.flags.copy()
+        rank0 = self.comm is None or self.comm.Get_rank() == 0
+        if rank0 and self.every_s > 0 and time.monotonic() - self._last_time >= self.every_s:
+            out[FLAG_TIMED] = 1
+            self._last_time = time.monotonic()
+        return out
+
+    def after_step(self):
+        """Agree on flags (a collective; call once per step on every rank)."""
+        if self.comm is None or self.comm.Get_size() == 1:
+            agreed = self._local()
+        else:
+            from mpi4py import MPI
+
+            agreed = np.zeros(2, np.int32)
+            if self._pending is not None:
+                self._pending.Wait()
+                agreed = self._recv.copy()
+            self._send = self._local()
+            self._recv = np.zeros(2, np.int32)
+            self._pending = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        sig = int(agreed[FLAG_SIGNAL])
+        name = signal.Signals(sig).name if sig else None
+        return name, bool(agreed[FLAG_TIMED])
+
+    def drain(self):
+        """Finish the outstanding reduction (call on every rank before leaving the loop)."""
+        if self._pending is not None:
+            self._pending.Wait()
+            self._pending = None
+
+    def close(self):
+        self.drain()
+        for sig, old in self._old.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, TypeError):
+                pass
+        self._old = {}
+
+
+_WORLD = None
+
+
+def world_comm():
+    """A ``Dup`` of ``COMM_WORLD`` for the runners' agreements and checkpoints (collective on the
+    first call; None for a single process or without MPI). Separate from Horovod's and the
+    Hourglass point-to-point communicators, so these collectives never interleave with theirs."""
+    global _WORLD
+    if _WORLD is None:
+        try:
+            from mpi4py import MPI
+
+            _WORLD = MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else False
+        except Exception:  # pragma: no cover - no MPI
+            _WORLD = False
+    return _WORLD or None
+
+
+def configure_stall_check(timeout_s: float):
+    """End the job when some rank stops issuing collectives for ``timeout_s`` seconds.
+
+    Sets Horovod's stall inspector (read at ``hvd.init()``, so call this first): after
+    ``timeout_s / 2`` seconds rank 0 warns which ranks have not submitted a pending collective
+    ("Missing ranks: ..."), after ``timeout_s`` Horovod shuts down and every rank's pending
+    collective raises, naming the tensor; :func:`run_guarded` then ends the job. ``0`` leaves
+    Horovod's defaults (a warning after 60 s, no shutdown). Explicit ``HOROVOD_STALL_*``
+    environment variables win.
+    """
+    if not timeout_s:
+        return
+    t = max(1, int(round(timeout_s)))
+    os.environ.pop("HOROVOD_STALL_CHECK_DISABLE", None)
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, t // 2)))
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: once, and never a hang
+
+_ERR_COMM = None
+
+
+def error_comm():
+    """A ``Dup`` of ``COMM_WORLD`` for error reporting (collective on first call; None without MPI)."""
+    global _ERR_COMM
+    if _ERR_COMM is None:
+        try:
+            from mpi4py import MPI
+
+            _ERR_COMM = MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else False
+        except Exception:  # pragma: no cover - no MPI
+            _ERR_COMM = False
+    return _ERR_COMM or None
+
+
+def world_rank() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                pass
+    return 0
+
+
+def _abort(code: int):
+    try:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:  # pragma: no cover - no MPI: plain exit
+        pass
+    sys.exit(code)
+
+
+def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None) -> int:
+    """Print ``exc`` once for the whole job and end this rank; returns the exit code (1) when
+    every rank failed alike (the caller exits), otherwise aborts the MPI job.
+
+    * ``exc.all_ranks`` (agreed errors): rank 0 prints, all ranks meet at a barrier, exit 1.
+    * otherwise the failing ranks wait up to ``grace_s`` (``$HGSGC_ERROR_GRACE_S``, default 3 s)
+      in a non-blocking barrier: if every rank arrives (every rank failed), rank 0 prints each
+      distinct message once with the ranks it came from; if not (some ranks are still running or
+      blocked in a collective), each failing rank prints its own line and calls
+      ``MPI_Abort``, which ends every rank.
+    """
+    rank = world_rank()
+    line = f"{type(exc).__name__}: {exc}"
+    comm = comm if comm is not None else error_comm()
+    if comm is None:
+        print(f"hgsgc: error: {line}", file=sys.stderr, flush=True)
+        return 1
+    if getattr(exc, "all_ranks", False):
+        if comm.Get_rank() == 0:
+            print(f"hgsgc: error (all {comm.Get_size()} ranks): {line}", file=sys.stderr, flush=True)
+        comm.Barrier()
+        return 1
+    grace = float(os.environ.get("HGSGC_ERROR_GRACE_S", "3")) if grace_s is None else grace_s
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + grace
+    done = req.Test()
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.02)
+        done = req.Test()
+    if done:
+        lines = comm.allgather(line)
+        if comm.Get_rank() == 0:
+            seen = {}
+            for r, ln in enumerate(lines):
+                seen.setdefault(ln, []).append(r)
+            for ln, ranks in seen.items():
+                who = (f"all {len(lines)} ranks" if len(ranks) == len(lines)
+                       else "ranks " + ",".join(map(str, ranks)))
+                print(f"hgsgc: error ({who}): {ln}", file=sys.stderr, flush=True)
+        comm.Barrier()
+        return 1
+    print(f"hgsgc: error on rank {rank}: {line}", file=sys.stderr, flush=True)
+    _abort(1)
+    return 1
