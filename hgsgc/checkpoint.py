@@ -253,7 +253,7 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     """``(step, folder)`` of every checkpoint folder (complete or not), newest first."""
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
     for n in names:
