@@ -103,6 +103,11 @@ def main(argv=None) -> int:
     b.add_argument("--out", default=None, help="output name: docs/benchmarks/NAME.{json,md,png}")
     b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)
+    # Horovod / Open MPI settings hgsgc chooses (docs/benchmarks/step_profile.md); only where the
+    # environment has none, and before anything initialises MPI
+    from hgsgc.runtime import apply_defaults
+
+    apply_defaults()
     return args.func(args)
 
 

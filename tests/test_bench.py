@@ -160,3 +160,25 @@ def test_rerender_of_a_bad_results_file_is_one_line(tmp_path, content):
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and r.stderr.startswith(f"hgsgc: bench: {p}: cannot re-render"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+# hgsgc.runtime: the Horovod / Open MPI settings hgsgc applies before MPI starts
+def test_runtime_defaults_fill_only_what_is_unset():
+    from hgsgc import runtime
+
+    env = {"HOROVOD_CYCLE_TIME": "2"}
+    done = runtime.apply_defaults(env)
+    assert env["HOROVOD_CYCLE_TIME"] == "2"  # the user's value wins
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert done == {"OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert runtime.apply_defaults(env) == {}  # idempotent
+    env = {}
+    assert runtime.apply_defaults(env) == runtime.DEFAULTS == env
+
+
+def test_runtime_defaults_can_be_turned_off():
+    from hgsgc import runtime
+
+    env = {"HGSGC_RUNTIME_DEFAULTS": "0"}
+    assert runtime.apply_defaults(env) == {}
+    assert env == {"HGSGC_RUNTIME_DEFAULTS": "0"}

@@ -1,0 +1,63 @@
+"""Process settings hgsgc chooses for Horovod and Open MPI (applied before ``hvd.init()``).
+
+Measured on the emulated cluster (``docs/benchmarks/step_profile.md``): with Horovod's default
+cycle of 1 ms, its background thread runs one negotiation collective per cycle even when no
+tensor is pending, and Open MPI busy-polls while it waits for the other ranks. On a rank that has
+one core, that thread took 12-13 ms of CPU per 15-16 ms of TensorFlow compute in steps that
+exchange nothing (local steps of SGC with delay, or any step's compute phase). Two settings
+remove it:
+
+* ``OMPI_MCA_mpi_yield_when_idle=1``: Open MPI's progress loop yields the core
+  (``sched_yield``) when it finds nothing to do, so a waiting collective no longer competes with
+  TensorFlow for the core (the thread's CPU per idle step fell from ~12.5 ms to ~0.7 ms).
+* ``HOROVOD_CYCLE_TIME=5`` (ms): 200 instead of 1,000 idle negotiation rounds per second (fewer
+  packets and wake-ups) at the cost of at most one cycle of latency per collective.
+
+:func:`apply_defaults` sets each only where the environment does not already (a user's or a
+launcher's own value always wins), and only has an effect before MPI is initialised: Open MPI
+reads ``OMPI_MCA_*`` and Horovod reads ``HOROVOD_*`` from the process environment in
+``hvd.init()``. ``hgsgc`` commands call it first; library users call it before ``hvd.init()``
+(or export the variables). ``HGSGC_RUNTIME_DEFAULTS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, MutableMapping, Optional
+
+DEFAULTS: Dict[str, str] = {
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+    "HOROVOD_CYCLE_TIME": "5",
+}
+
+
+def horovod_initialized() -> bool:
+    """True if Horovod (and so MPI) is already initialised in this process."""
+    mod = sys.modules.get("horovod.tensorflow")
+    if mod is None:
+        return False
+    try:
+        return bool(mod.is_initialized())
+    except Exception:  # pragma: no cover - a Horovod without is_initialized
+        return False
+
+
+def apply_defaults(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
+    """Set :data:`DEFAULTS` in ``environ`` (default ``os.environ``) where not already set.
+
+    Returns:
+        ``{name: value}`` of the variables this call set (empty if all were set already, if
+        ``HGSGC_RUNTIME_DEFAULTS=0``, or if Horovod is already initialised, when setting them
+        would have no effect).
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HGSGC_RUNTIME_DEFAULTS", "1") == "0":
+        return {}
+    if environ is None and horovod_initialized():
+        return {}
+    done = {}
+    for k, v in DEFAULTS.items():
+        if k not in env:
+            env[k] = v
+            done[k] = v
+    return done
