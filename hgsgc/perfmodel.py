@@ -1,0 +1,613 @@
+"""The one alpha-beta performance model of hgsgc (layouts, exchanges, the benchmarks).
+
+A link moves a message of ``s`` bytes in ``alpha + s / beta`` seconds (``alpha``: seconds per
+message, ``beta``: bytes per second). This module holds the formulas every part of hgsgc predicts
+with; ``layout: auto`` (``hgsgc/hourglass/auto.py``) measures the inputs at start-up and calls
+:func:`choose_layout`. (First version written by the Hourglass work for ``layout: auto``; the
+benchmark work extends it: one model, not two.)
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence, Tuple
+
+
+# ------------------------------------------------------------------------------------------
+# Layout choice (``layout: auto``): data parallelism vs the Hourglass layout for each fc_workers.
+# Inputs are measured at start-up by hgsgc/hourglass/auto.py; see docs/hourglass.md, "layout: auto".
+@dataclass(frozen=True)
+class LayoutInputs:
+    """Measured inputs of :func:`choose_layout` (seconds, bytes, bytes per second).
+
+    Attributes:
+        world_size: ``n`` ranks; batch_size: ``b`` examples per rank (per CONV rank).
+        t_conv, t_fc: forward + backward seconds per example of the trunk / the head.
+        act_bytes, grad_bytes: boundary bytes per example CONV -> FC (labels included) / FC ->
+            CONV with the configured codecs; codec_s: encode + decode seconds per example (both
+            directions).
+        alpha: seconds per message; beta: link bandwidth, bytes per second.
+        dp_payload, conv_payload, fc_payload: gradient payload of one exchange (bytes) of the
+            whole model (data parallel) / the trunk / the head; *_algorithm: ``ring`` |
+            ``allgather`` | ``tree`` | ``node``; delay, fc_delay: communication delays ``H``.
+        micro_batches: ``M`` of the GPipe-style pipeline.
+    """
+
+    world_size: int
+    batch_size: int
+    t_conv: float
+    t_fc: float
+    act_bytes: float
+    grad_bytes: float
+    codec_s: float
+    alpha: float
+    beta: float
+    dp_payload: float
+    conv_payload: float
+    fc_payload: float
+    dp_algorithm: str = "ring"
+    conv_algorithm: str = "ring"
+    fc_algorithm: str = "ring"
+    delay: int = 1
+    fc_delay: int = 1
+    micro_batches: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def algorithm_of(compression) -> str:
+    """``ring`` for dense settings, the hierarchy (``allgather``/``tree``/``node``) for sparse ones."""
+    from hgsgc.compression import SparseCompression
+
+    return compression.hierarchy if isinstance(compression, SparseCompression) else "ring"
+
+
+def layout_exchange_s(k: int, payload: float, algorithm: str, delay: int, alpha: float, beta: float) -> float:
+    """Seconds per step the busiest of ``k`` ranks spends exchanging ``payload`` bytes.
+
+    Bytes sent per exchange: ring ``2 (k-1)/k P`` in ``2 (k-1)`` messages; allgather ``(k-1) P`` in
+    ``k - 1``; tree/node ``(L + 2 [k > 2^L]) P`` in as many (``L = floor(log2 k)``); divided by
+    the delay ``H`` (one exchange every ``H`` steps). ``k <= 1``: 0.
+    """
+    return exchange_s(k, payload, algorithm, Link(alpha, beta)) / max(1, delay)
+
+
+def predict_data_parallel(inp: LayoutInputs) -> dict:
+    """``T = b (t_conv + t_fc) + exchange(n, P_dp)``; throughput ``n b / T`` examples per second."""
+    n, b = inp.world_size, inp.batch_size
+    compute = b * (inp.t_conv + inp.t_fc)
+    ex = layout_exchange_s(n, inp.dp_payload, inp.dp_algorithm, inp.delay, inp.alpha, inp.beta)
+    t = compute + ex
+    return {"layout": "data_parallel", "fc_workers": None, "compute_s": compute, "exchange_s": ex,
+            "step_s": t, "examples_per_step": n * b, "throughput": n * b / t if t > 0 else float("inf")}
+
+
+def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
+    """The Hourglass step with ``F = fc_workers`` FC ranks, GPipe-style with ``M`` micro-batches.
+
+    ``C = n - F`` CONV ranks, an FC rank serves at most ``m = ceil(C / F)``. Per micro-batch the
+    four stages take ``s_conv = (b t_conv + b c/2) / M`` (trunk + its half of the codec work),
+    ``s_in = m b act / (M beta)`` (activations into the FC rank's link), ``s_fc = m b (t_fc +
+    c/2) / M``, ``s_out = m b grad / (M beta)``; a GPipe pipeline of ``M`` micro-batches takes
+    ``sum(s) M / M + (M - 1) max(s)`` = ``S + (M - 1) max(s)`` with ``S = sum(s)`` (``M = 1``: the
+    stages in series). The two gradient exchanges run on disjoint links after the boundary
+    traffic (the FC exchange overlapping the CONV backward), so the step adds their maximum and
+    ``2 M alpha`` for the boundary messages::
+
+        T(F) = S + (M - 1) max(s) + max(E(C, P_conv, H), E(F, P_fc, H_fc)) + 2 M alpha
+
+    Throughput: ``C b / T(F)`` examples per second.
+    """
+    n, b, M, F = inp.world_size, inp.batch_size, max(1, inp.micro_batches), fc_workers
+    C = n - F
+    m = -(-C // F)
+    stages = {"conv_s": (b * inp.t_conv + b * inp.codec_s / 2) / M,
+              "wire_in_s": m * b * inp.act_bytes / inp.beta / M,
+              "fc_s": m * b * (inp.t_fc + inp.codec_s / 2) / M,
+              "wire_out_s": m * b * inp.grad_bytes / inp.beta / M}
+    pipe = sum(stages.values()) + (M - 1) * max(stages.values())
+    ex_c = layout_exchange_s(C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.alpha, inp.beta)
+    ex_f = layout_exchange_s(F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.alpha, inp.beta)
+    t = pipe + max(ex_c, ex_f) + 2 * M * inp.alpha
+    return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": m,
+            "stages_per_micro_batch_s": stages, "pipeline_s": pipe, "conv_exchange_s": ex_c,
+            "fc_exchange_s": ex_f, "step_s": t, "examples_per_step": C * b,
+            "throughput": C * b / t if t > 0 else float("inf")}
+
+
+def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True) -> dict:
+    """Predict data parallelism and the Hourglass for ``F = 1 .. floor(n/2)``; pick the highest
+    throughput (ties: data parallelism, then fewer FC ranks).
+
+    Returns:
+        ``{"layout", "fc_workers", "inputs", "predictions": [...], "choice": the chosen prediction}``.
+    """
+    preds = [predict_data_parallel(inp)]
+    if hourglass_possible and inp.world_size >= 2:
+        preds += [predict_hourglass(inp, F) for F in range(1, inp.world_size // 2 + 1)]
+    best = preds[0]
+    for p in preds[1:]:
+        if p["throughput"] > best["throughput"] * (1 + 1e-9):
+            best = p
+    return {"layout": best["layout"], "fc_workers": best["fc_workers"], "inputs": inp.to_dict(),
+            "predictions": preds, "choice": best}
+
+
+def format_layout_report(report: dict) -> str:
+    """Log lines: the inputs, each prediction, the choice."""
+    i = report["inputs"]
+    lines = [f"layout auto: n {i['world_size']}, b {i['batch_size']}, t_conv {i['t_conv'] * 1e6:.1f} us/example, "
+             f"t_fc {i['t_fc'] * 1e6:.1f} us/example, boundary {i['act_bytes']:.0f} + {i['grad_bytes']:.0f} "
+             f"B/example (codec {i['codec_s'] * 1e6:.1f} us/example), link alpha {i['alpha'] * 1e6:.1f} us, "
+             f"beta {i['beta'] * 8 / 1e6:.1f} Mbit/s, payload DP {i['dp_payload']:.0f} B ({i['dp_algorithm']}, "
+             f"H {i['delay']}), CONV {i['conv_payload']:.0f} B, FC {i['fc_payload']:.0f} B ({i['fc_algorithm']}), "
+             f"M {i['micro_batches']}"]
+    for p in report["predictions"]:
+        name = "data parallel" if p["layout"] == "data_parallel" else f"hourglass F={p['fc_workers']}"
+        lines.append(f"  {name}: step {p['step_s'] * 1e3:.2f} ms for {p['examples_per_step']} examples, "
+                     f"{p['throughput']:.0f} examples/s")
+    c = report["choice"]
+    lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# Links, collectives, methods and the data-parallel step with measured compute and compression
+# (issue 10). layout_exchange_s above is exchange_s on a Link(alpha, beta) divided by the delay.
+#: TCP payload bytes per L2 byte on a 1500-byte-MTU link with TCP timestamps (1448 / 1514); tbf
+#: limits L2 bytes, so a rate of R bit/s carries at most R / 8 * 1448 / 1514 payload bytes/s.
+FRAME_EFFICIENCY = 1448.0 / 1514.0
+
+#: The emulated cluster (scripts/cluster/), calibrated by scripts/cluster/calibrate_link.py (the
+#: fit and its data: docs/benchmarks/link_calibration.json, docs/benchmarks/perfmodel.md):
+#: alpha_s: seconds per MPI message round; efficiency: payload rate / nominal rate;
+#: bidir_factor: the rate each direction keeps when two ranks send to each other at once under
+#: Open MPI 4.1's TCP ``put`` protocol (docs/cluster.md: 46-48 of 95 Mbit/s), 1.0 without it;
+#: cycle_s: HOROVOD_CYCLE_TIME as hgsgc sets it (hgsgc/runtime.py).
+EMULATOR = {"alpha_s": 250e-6, "efficiency": 0.94, "bidir_factor": 0.5, "cycle_s": 0.005,
+            "source": "docs/cluster.md (95 Mbit/s payload on 100 Mbit/s; pairwise 46-48 Mbit/s)"}
+
+_RATE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_RATE_UNITS = {"": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def parse_rate(text) -> float:
+    """A link rate in bit/s from a tc rate (``10gbit``, ``100mbit``, ``1.5gbit``; ``...bps``
+    suffixes are bytes per second, as in tc) or a number of bit/s.
+
+    Raises:
+        ValueError: not a positive rate (the message shows the accepted forms).
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        v = float(text)
+    else:
+        m = _RATE.fullmatch(str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _RATE_UNITS:
+            raise ValueError(f"bandwidth {text!r} is not a rate: write e.g. 10gbit, 100mbit, 1.5gbit")
+        v = float(m.group(1)) * _RATE_UNITS[unit]
+    if not v > 0:
+        raise ValueError(f"bandwidth {text!r} must be > 0")
+    return v
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host link under the alpha-beta (Hockney) model: ``m`` bytes take ``alpha_s + m / beta_Bps``.
+
+    Attributes:
+        alpha_s: seconds per message (latency + MPI software), >= 0.
+        beta_Bps: payload bytes per second, one direction (links are full duplex), > 0.
+        bidir_factor: fraction of ``beta_Bps`` each direction keeps when both ends of a
+            connection send at once (pairwise exchanges); 1 on a tuned cluster, 0.5 under
+            Open MPI 4.1's TCP ``put`` protocol (docs/cluster.md).
+
+    Raises:
+        ValueError: a value outside those ranges.
+    """
+
+    alpha_s: float
+    beta_Bps: float
+    bidir_factor: float = 1.0
+
+    def __post_init__(self):
+        if not (self.alpha_s >= 0 and self.beta_Bps > 0 and 0 < self.bidir_factor <= 1):
+            raise ValueError(f"Link needs alpha_s >= 0, beta_Bps > 0 and 0 < bidir_factor <= 1, got {self}")
+
+    def time(self, nbytes: float, messages: int = 1, pairwise: bool = False) -> float:
+        """Seconds for ``messages`` sequential messages carrying ``nbytes`` bytes in all."""
+        beta = self.beta_Bps * (self.bidir_factor if pairwise else 1.0)
+        return messages * self.alpha_s + nbytes / beta
+
+
+def link_for(bandwidth, alpha_s: Optional[float] = None, efficiency: Optional[float] = None,
+             bidir_factor: Optional[float] = None, calibration: Optional[dict] = None) -> Link:
+    """The :class:`Link` of a host whose link runs at ``bandwidth`` (tc rate or bit/s):
+    ``beta = rate / 8 * efficiency``; unset arguments come from ``calibration`` (default
+    :data:`EMULATOR`; for a tuned cluster pass ``bidir_factor=1``)."""
+    cal = EMULATOR if calibration is None else calibration
+    eff = cal["efficiency"] if efficiency is None else efficiency
+    return Link(alpha_s=cal["alpha_s"] if alpha_s is None else alpha_s,
+                beta_Bps=parse_rate(bandwidth) / 8.0 * eff,
+                bidir_factor=cal.get("bidir_factor", 1.0) if bidir_factor is None else bidir_factor)
+
+
+ALGORITHMS = ("ring", "allgather", "tree", "node")
+
+
+def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Optional[Sequence[int]] = None) -> float:
+    """Seconds the busiest of ``k`` ranks spends in one collective over ``link``.
+
+    Bytes and messages per rank as in :func:`layout_exchange_s` (ring allreduce of ``P``:
+    ``2 (k-1)/k P`` in ``2 (k-1)`` messages, Patarasuk & Yuan 2009; allgather: ``(k-1) P`` in
+    ``k - 1``; tree (:mod:`hgsgc.hierarchy`): ``r P`` in ``r = floor(log2 k) + 2 [k not a power of
+    two]`` pairwise swaps). Pairwise exchanges (allgather, tree, and the ring of ``k = 2``, whose two
+    ranks send to each other) run at ``beta * bidir_factor``. ``node`` with ``hosts`` (ranks per
+    host): the tree among ``len(hosts)`` leaders over ``link`` plus the reduce to and broadcast
+    from each leader over shared memory (1 us, 10 GB/s); without ``hosts``, the tree over ``k``.
+
+    Raises:
+        ValueError: unknown algorithm.
+    """
+    if k <= 1:
+        return 0.0
+    if algorithm == "ring":
+        return link.time(2.0 * (k - 1) / k * payload, 2 * (k - 1), pairwise=(k == 2))
+    if algorithm == "allgather":
+        return link.time((k - 1) * payload, k - 1, pairwise=True)
+    if algorithm == "node" and hosts:
+        s = max(hosts)
+        shm = Link(1e-6, 10e9)
+        intra = shm.time(s * payload, s) if s > 1 else 0.0
+        return intra + exchange_s(len(hosts), payload, "tree", link)
+    if algorithm in ("tree", "node"):
+        L = k.bit_length() - 1
+        r = L + (2 if k > (1 << L) else 0)
+        return link.time(r * payload, r, pairwise=True)
+    raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+
+
+def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULATOR["cycle_s"],
+                   allgathers: int = 0) -> float:
+    """Horovod's time per exchange besides the data (docs/benchmarks/step_profile.md): each
+    collective waits on average half a background cycle (``cycle_s / 2``; Horovod does not wake
+    up when a tensor is enqueued) and is negotiated by one small allreduce (``ceil(log2 k)``
+    messages); an allgather first exchanges its sizes (``ceil(log2 k)`` more)."""
+    if k <= 1:
+        return 0.0
+    lg = (k - 1).bit_length()
+    return collectives * (cycle_s / 2.0 + lg * link.alpha_s) + allgathers * lg * link.alpha_s
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The collectives of one exchange: ``((algorithm, bytes), ...)`` (ring: the allreduce buffer
+    per rank; allgather / tree / node: the rank's payload) and ``delay`` (steps per exchange)."""
+
+    collectives: Tuple[Tuple[str, int], ...]
+    delay: int = 1
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(sum(b for _, b in self.collectives))
+
+
+def traffic(compression, shapes: Sequence[Sequence[int]]) -> Traffic:
+    """The collectives :class:`hgsgc.communicator.Exchanger` issues for one exchange of float32
+    tensors of ``shapes`` under ``compression`` (an ``hgsgc.Compression`` value): dense: one ring
+    allreduce of ``w d`` bytes (w = 4 fp32, 2 fp16); top-k / SGC / DGC: one payload through its
+    ``hierarchy``; TernGrad: a ring allreduce of the 4-byte scales and an allgather of the codes;
+    PowerSGD: two ring allreduces (P factors + uncompressed tensors, then Q factors). Byte counts
+    from :func:`hgsgc.compression.codec.exchange_payload_bytes` and the PowerSGD shapes.
+
+    Raises:
+        TypeError: a compression with no traffic model.
+    """
+    from hgsgc.compression import (DenseCompression, PowerSGDCompression, SparseCompression,
+                                   TernGradCompression, as_compression, powersgd)
+    from hgsgc.compression.codec import exchange_payload_bytes
+
+    comp = as_compression(compression)
+    delay = int(getattr(comp, "delay", 1) or 1)
+    shapes = [tuple(int(x) for x in s) for s in shapes]
+    if isinstance(comp, DenseCompression):
+        return Traffic((("ring", exchange_payload_bytes(comp, shapes)),), delay)
+    if isinstance(comp, SparseCompression):
+        return Traffic(((comp.hierarchy, exchange_payload_bytes(comp, shapes)),), delay)
+    if isinstance(comp, TernGradCompression):
+        scales = 4 * len(shapes)
+        return Traffic((("ring", scales), ("allgather", exchange_payload_bytes(comp, shapes) - scales)), delay)
+    if isinstance(comp, PowerSGDCompression):
+        p_b = q_b = dense_b = 0
+        for s in shapes:
+            mpq = powersgd.matrix_shape(s, comp.rank)
+            if mpq is None:
+                dense_b += 4 * int(math.prod(s))
+            else:
+                m, p, q = mpq
+                p_b, q_b = p_b + 4 * m * q, q_b + 4 * p * q
+        return Traffic((("ring", p_b + dense_b),) + ((("ring", q_b),) if q_b else ()), delay)
+    raise TypeError(f"no traffic model for compression {comp!r}")
+
+
+def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, link: Link,
+                 hosts: Optional[Sequence[int]] = None, cycle_s: float = EMULATOR["cycle_s"]) -> dict:
+    """Predicted mean seconds per data-parallel step on ``k`` ranks.
+
+    ``step = compute + (compression + sum of the collectives + coordination) / delay``, with
+    compute (forward + backward + update) and compression (selection, encoding, decoding and
+    summing the ``k`` payloads) measured, each collective of ``tr`` by :func:`exchange_s`,
+    Horovod's coordination by :func:`coordination_s`. No overlap of communication with compute
+    (hgsgc exchanges one fused payload after the backward pass).
+
+    Returns:
+        ``{"compute_s", "compression_s", "wire_s", "coordination_s", "step_s"}``, each already
+        divided by the delay where it happens once per exchange.
+    """
+    h = max(1, int(tr.delay))
+    wire = sum(exchange_s(k, b, alg, link, hosts) for alg, b in tr.collectives)
+    n_ag = sum(1 for alg, _ in tr.collectives if alg == "allgather")
+    coord = coordination_s(k, link, len(tr.collectives), cycle_s, n_ag)
+    out = {"compute_s": float(compute_s), "compression_s": float(compression_s) / h,
+           "wire_s": wire / h, "coordination_s": coord / h}
+    out["step_s"] = sum(out.values())
+    return out
+
+
+def time_to_target(steps: Optional[int], step_s: float, evals: int = 0, eval_s: float = 0.0) -> Optional[float]:
+    """Seconds to reach a quality target: ``steps * step_s + evals * eval_s``; ``None`` (not
+    reached) when ``steps`` is None. ``steps`` comes from a quality-vs-steps curve (which does
+    not depend on the network), ``step_s`` from a measurement or :func:`predict_step`."""
+    if steps is None:
+        return None
+    return steps * step_s + evals * eval_s
+
+
+# ------------------------------------------------------------------------------------------
+# Measured inputs and `hgsgc plan`
+def _timed_median(fn, reps: int, warmup: int = 2) -> float:
+    import time
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _random_batch(model, batch_size: int, seed: int = 0):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    inp = model.inputs[0]
+    shape = [batch_size] + [int(d) for d in inp.shape[1:]]
+    if inp.dtype.is_integer:
+        x = tf.constant(rng.integers(0, 10, shape), dtype=inp.dtype)
+    else:
+        x = tf.constant(rng.random(shape, dtype=np.float32))
+    out = model.outputs[0]
+    yshape = [batch_size] + [int(d) for d in out.shape[1:-1]]
+    y = tf.constant(rng.integers(0, int(out.shape[-1]), yshape).astype(np.int32))
+    return x, y
+
+
+def measure_compute_s(model, batch_size: int, reps: int = 10) -> float:
+    """Median seconds of one forward + backward + SGD update of ``model`` on a random batch of
+    ``batch_size`` (one process, no communication): the compute term of :func:`predict_step`."""
+    import tensorflow as tf
+
+    x, y = _random_batch(model, batch_size)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.keras.optimizers.legacy.SGD(0.01)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return _timed_median(lambda: step().numpy(), reps)
+
+
+def measure_compression_s(compression, shapes, reps: int = 5) -> dict:
+    """Measured compression cost of one exchange of float32 tensors of ``shapes``.
+
+    Returns ``{"base_s", "per_payload_s"}``: ``base_s`` = the exchange in a process set of one rank
+    (selection / quantisation / factorisation, encoding, decoding the rank's own payload; no
+    collective), ``per_payload_s`` = decoding and adding one more sparse payload (0 for dense,
+    PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). The cost of
+    an exchange among ``k`` ranks is ``base_s + (k - 1) per_payload_s`` (allgather) or
+    ``base_s + rounds * per_payload_s`` (tree / node: one merge per round).
+    Needs ``hvd.init()`` (it is called if needed; one process is a world of size 1).
+    """
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    from hgsgc.communicator import Exchanger
+    from hgsgc.compression import DenseCompression, SparseCompression, as_compression
+
+    comp = as_compression(compression)
+    if isinstance(comp, DenseCompression):
+        return {"base_s": 0.0, "per_payload_s": 0.0}
+    if not hvd.is_initialized():
+        hvd.init()
+    rng = np.random.default_rng(1)
+    tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    names = [f"plan_{i}" for i in range(len(shapes))]
+    ex = Exchanger(comp)
+
+    @tf.function
+    def once():
+        return tf.add_n([tf.reduce_sum(t) for t in ex.exchange(tensors, names)])
+
+    base = _timed_median(lambda: once().numpy(), reps)
+    per = 0.0
+    if isinstance(comp, SparseCompression):
+        from hgsgc.compression import codec
+        from hgsgc.compression.sparsify import exact_topk, num_selected
+
+        payloads = []
+        for t in tensors:
+            numel = int(np.prod(t.shape))
+            k = num_selected(numel, comp.density)
+            idx, vals = exact_topk(tf.reshape(t, [-1]), k)
+            payloads.append((codec.encode(idx, vals, numel, comp.bits)[0], numel, k))
+
+        @tf.function
+        def decode_one():
+            out = []
+            for p, numel, k in payloads:
+                i, v = codec.decode(p, numel, k, comp.bits)
+                out.append(tf.reduce_sum(tf.scatter_nd(i[:, None], v, [numel])))
+            return tf.add_n(out)
+
+        per = _timed_median(lambda: decode_one().numpy(), reps)
+    return {"base_s": base, "per_payload_s": per}
+
+
+def compression_at(cost: dict, k: int, algorithm: str) -> float:
+    """:func:`measure_compression_s`'s cost for an exchange among ``k`` ranks."""
+    if k <= 1:
+        return cost["base_s"]
+    if algorithm in ("tree", "node"):
+        L = k.bit_length() - 1
+        extra = L + (1 if k > (1 << L) else 0)
+    else:
+        extra = k - 1
+    return cost["base_s"] + extra * cost["per_payload_s"]
+
+
+def plan_candidates(cfg) -> List[Tuple[str, object]]:
+    """``(label, compression)`` pairs ``hgsgc plan`` ranks: the config's own setting, Horovod fp32
+    and fp16, top-k, SGC (delay 1 and 4; allgather and tree), TernGrad, PowerSGD (rank 4) and
+    local SGD (4), with the config's density where it has one."""
+    from hgsgc.compression import Compression
+    from hgsgc.config import compression_from_config
+
+    dens = getattr(cfg.compression, "density", 0.005) or 0.005
+    own = compression_from_config(cfg.compression)
+    cands = [("config", own), ("fp32_allreduce", Compression.none), ("fp16_allreduce", Compression.fp16),
+             ("topk", Compression.topk(density=dens)),
+             ("sgc_d1", Compression.sgc(density=dens, delay=1)),
+             ("sgc_d4", Compression.sgc(density=dens, delay=4)),
+             ("sgc_d4_tree", Compression.sgc(density=dens, delay=4, hierarchy="tree")),
+             ("terngrad", Compression.terngrad()), ("powersgd_r4", Compression.powersgd(rank=4)),
+             ("localsgd_4", Compression.localsgd(4))]
+    return cands
+
+
+def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: int = 5,
+         link: Optional[Link] = None, steps_to_target: Optional[dict] = None, log=None) -> dict:
+    """Rank the methods of :func:`plan_candidates` by predicted step time on ``nodes`` ranks (one
+    per host) with ``bandwidth`` links, for the model and batch of ``cfg`` (an
+    :class:`hgsgc.config.Config`).
+
+    Compute is measured here (or ``compute_s``), compression measured per method
+    (:func:`measure_compression_s`), communication from :func:`exchange_s` on ``link`` (default
+    :func:`link_for` ``(bandwidth)``, the emulator's calibration). ``steps_to_target``:
+    ``{label: steps or None}`` from quality curves, for the time to target.
+
+    Returns:
+        ``{"inputs": {...}, "rows": [...]}``; rows sorted by predicted ``step_s``.
+
+    Raises:
+        ValueError: ``nodes < 1`` or a bad bandwidth.
+    """
+    from hgsgc.models import build_model
+
+    if int(nodes) < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    link = link or link_for(bandwidth)
+    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
+    if compute_s is None:
+        compute_s = measure_compute_s(model, cfg.train.batch_size, reps=max(reps, 3))
+    rows = []
+    for label, comp in plan_candidates(cfg):
+        tr = traffic(comp, shapes)
+        alg = tr.collectives[-1][0]
+        cost = measure_compression_s(comp, shapes, reps)
+        if log:
+            log(f"plan: measured {label}: compression {cost['base_s'] * 1e3:.1f} ms "
+                f"+ {cost['per_payload_s'] * 1e3:.2f} ms per payload")
+        p = predict_step(compute_s, compression_at(cost, nodes, alg), tr, nodes, link)
+        steps = (steps_to_target or {}).get(label)
+        rows.append({"method": label, "compression": comp.to_dict() if hasattr(comp, "to_dict") else str(comp),
+                     "algorithm": alg, "delay": tr.delay, "payload_bytes": tr.payload_bytes,
+                     "compression_cost": cost, **p,
+                     "steps_to_target": steps,
+                     "time_to_target_s": time_to_target(steps, p["step_s"]) if steps_to_target else None})
+    rows.sort(key=lambda r: r["step_s"])
+    inputs = {"config": cfg.model.name, "batch_size": cfg.train.batch_size, "nodes": int(nodes),
+              "bandwidth_bit_s": parse_rate(bandwidth), "alpha_s": link.alpha_s,
+              "beta_Bps": link.beta_Bps, "bidir_factor": link.bidir_factor,
+              "cycle_s": EMULATOR["cycle_s"], "compute_s": compute_s,
+              "parameters": int(sum(math.prod(s) for s in shapes))}
+    return {"inputs": inputs, "rows": rows}
+
+
+def format_plan(result: dict) -> str:
+    """The plan as text: the inputs, then one line per method, fastest first."""
+    i = result["inputs"]
+    lines = [f"hgsgc plan: {i['config']} ({i['parameters']:,} parameters), batch {i['batch_size']} per rank, "
+             f"{i['nodes']} nodes, link {i['bandwidth_bit_s'] / 1e6:g} Mbit/s (beta {i['beta_Bps'] * 8 / 1e6:.1f} "
+             f"Mbit/s payload, alpha {i['alpha_s'] * 1e6:.0f} us, pairwise factor {i['bidir_factor']:g}), "
+             f"Horovod cycle {i['cycle_s'] * 1e3:g} ms, compute {i['compute_s'] * 1e3:.1f} ms/step (measured here)",
+             f"{'rank':>4} {'method':<16} {'algorithm':<10} {'H':>2} {'payload B':>11} {'compute':>8} "
+             f"{'compress':>9} {'wire':>9} {'coord':>7} {'step ms':>9} {'x best':>7} {'to target':>10}"]
+    best = result["rows"][0]["step_s"] if result["rows"] else 1.0
+    for n, r in enumerate(result["rows"], 1):
+        ttt = r.get("time_to_target_s")
+        ttt = "n/a" if r.get("steps_to_target") is None and ttt is None else (
+            "not reached" if ttt is None else f"{ttt:.0f} s")
+        lines.append(f"{n:>4} {r['method']:<16} {r['algorithm']:<10} {r['delay']:>2} {r['payload_bytes']:>11,} "
+                     f"{r['compute_s'] * 1e3:>8.1f} {r['compression_s'] * 1e3:>9.2f} {r['wire_s'] * 1e3:>9.2f} "
+                     f"{r['coordination_s'] * 1e3:>7.2f} {r['step_s'] * 1e3:>9.1f} {r['step_s'] / best:>7.2f} {ttt:>10}")
+    lines.append("(ms per step; exchange terms divided by the delay H; time to target needs quality curves: "
+                 "--steps-to-target FILE.json)")
+    return "\n".join(lines)
+
+
+def plan_main(args) -> int:
+    """``hgsgc plan CONFIG [overrides] --nodes N --bandwidth B``: print :func:`format_plan`
+    (exit 0), or one line naming the bad input (exit 2)."""
+    import json
+    import os
+    import sys
+
+    from hgsgc.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        rate = parse_rate(args.bandwidth)
+        if args.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+        steps = None
+        if args.steps_to_target:
+            with open(args.steps_to_target) as f:
+                steps = json.load(f)
+            if not isinstance(steps, dict):
+                raise ValueError(f"{args.steps_to_target}: expected a JSON object {{method: steps or null}}")
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"hgsgc plan: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    link = link_for(rate, bidir_factor=1.0 if args.tuned else None)
+    res = plan(cfg, args.nodes, rate, compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
+               reps=args.reps, link=link, steps_to_target=steps)
+    print(format_plan(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0

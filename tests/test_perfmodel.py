@@ -1,0 +1,162 @@
+"""hgsgc/perfmodel.py: the alpha-beta formulas against hand-computed values and against the
+byte formulas of hgsgc.hierarchy / hgsgc.compression.codec; ``hgsgc plan`` end to end (tiny model).
+No wall-clock asserts: the plan's measured times are only checked for presence and order."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from hgsgc import perfmodel as pm  # noqa: E402
+
+
+@pytest.mark.parametrize("text,bits", [("10gbit", 1e10), ("100mbit", 1e8), ("1.5gbit", 1.5e9),
+                                       ("500kbit", 5e5), ("125mbps", 1e9), (2e6, 2e6)])
+def test_parse_rate(text, bits):
+    assert pm.parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["fast", "10 parsecs", "0mbit", "-5mbit", ""])
+def test_parse_rate_rejects(text):
+    with pytest.raises(ValueError, match="bandwidth"):
+        pm.parse_rate(text)
+
+
+def test_link_time_and_validation():
+    link = pm.Link(1e-4, 1e6, 0.5)
+    assert link.time(1000, 2) == pytest.approx(2e-4 + 1e-3)
+    assert link.time(1000, 2, pairwise=True) == pytest.approx(2e-4 + 2e-3)
+    for bad in [(-1, 1e6), (0, 0), (0, 1e6, 0), (0, 1e6, 1.5)]:
+        with pytest.raises(ValueError, match="Link needs"):
+            pm.Link(*bad)
+    em = pm.link_for("100mbit")
+    assert em.beta_Bps == pytest.approx(1e8 / 8 * pm.EMULATOR["efficiency"])
+    assert pm.link_for("1gbit", bidir_factor=1.0, alpha_s=0).time(1.25e8) == pytest.approx(
+        1 / pm.EMULATOR["efficiency"])
+
+
+def test_exchange_formulas_by_hand():
+    L = pm.Link(1e-4, 1e6, 0.5)
+    assert pm.exchange_s(1, 4000, "ring", L) == 0
+    assert pm.exchange_s(4, 4000, "ring", L) == pytest.approx(6e-4 + 6000 / 1e6)   # one direction per link
+    assert pm.exchange_s(2, 4000, "ring", L) == pytest.approx(2e-4 + 4000 / 5e5)   # 2 ranks: pairwise
+    assert pm.exchange_s(3, 1000, "allgather", L) == pytest.approx(2e-4 + 2000 / 5e5)
+    assert pm.exchange_s(5, 1000, "tree", L) == pytest.approx(4e-4 + 4000 / 5e5)  # L=2 + fold/unfold
+    assert pm.exchange_s(8, 1000, "tree", L) == pytest.approx(3e-4 + 3000 / 5e5)
+    shm = pm.Link(1e-6, 10e9)
+    assert pm.exchange_s(8, 1000, "node", L, hosts=[4, 4]) == pytest.approx(
+        shm.time(4000, 4) + pm.exchange_s(2, 1000, "tree", L))
+    with pytest.raises(ValueError, match="unknown exchange algorithm"):
+        pm.exchange_s(4, 1, "butterfly", L)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
+def test_tree_matches_hierarchy_byte_formulas(n):
+    """The busiest rank of hgsgc.hierarchy's tree sends exactly what the model charges."""
+    from hgsgc.hierarchy import tree_cost
+
+    P = 1000
+    busiest = max(tree_cost(n, r, P)["bytes_sent"] for r in range(n))
+    msgs = max(tree_cost(n, r, P)["messages"] for r in range(n))
+    link = pm.Link(1.0, 1.0)  # alpha 1 s, beta 1 B/s: time = messages + bytes
+    assert pm.exchange_s(n, P, "tree", link) == pytest.approx(msgs + busiest)
+
+
+def test_layout_exchange_is_the_same_formula():
+    for k in (1, 2, 3, 8):
+        for alg in ("ring", "allgather", "tree", "node"):
+            assert pm.layout_exchange_s(k, 5000, alg, 4, 2e-4, 1e7) == pytest.approx(
+                pm.exchange_s(k, 5000, alg, pm.Link(2e-4, 1e7)) / 4)
+
+
+SHAPES = [(3, 3, 1, 32), (32,), (3136, 512), (512,), (512, 10), (10,)]
+
+
+def test_traffic_bytes():
+    from hgsgc.compression import Compression, codec, powersgd
+
+    d = sum(math.prod(s) for s in SHAPES)
+    assert pm.traffic(Compression.none, SHAPES).collectives == (("ring", 4 * d),)
+    assert pm.traffic(Compression.fp16, SHAPES).collectives == (("ring", 2 * d),)
+    sgc = Compression.sgc(density=0.01, delay=4, hierarchy="tree")
+    t = pm.traffic(sgc, SHAPES)
+    assert t.collectives == (("tree", codec.exchange_payload_bytes(sgc, SHAPES)),) and t.delay == 4
+    tg = pm.traffic(Compression.terngrad(), SHAPES)
+    assert tg.collectives == (("ring", 4 * len(SHAPES)),
+                              ("allgather", sum(math.ceil(math.prod(s) / 4) for s in SHAPES)))
+    ps = pm.traffic(Compression.powersgd(rank=4), SHAPES)
+    p_b = q_b = dense = 0
+    for s in SHAPES:
+        mpq = powersgd.matrix_shape(s, 4)
+        if mpq is None:
+            dense += 4 * math.prod(s)
+        else:
+            p_b += 4 * mpq[0] * mpq[2]
+            q_b += 4 * mpq[1] * mpq[2]
+    assert ps.collectives == (("ring", p_b + dense), ("ring", q_b))
+
+
+def test_predict_step_composition():
+    link = pm.Link(1e-4, 1e6, 1.0)
+    tr = pm.Traffic((("allgather", 1000),), delay=4)
+    p = pm.predict_step(0.010, 0.004, tr, 2, link, cycle_s=0.005)
+    wire = 1e-4 + 1000 / 1e6
+    coord = 0.005 / 2 + 1e-4 + 1e-4  # half a cycle + negotiation + size exchange (log2 2 = 1)
+    assert p["wire_s"] == pytest.approx(wire / 4)
+    assert p["coordination_s"] == pytest.approx(coord / 4)
+    assert p["step_s"] == pytest.approx(0.010 + (0.004 + wire + coord) / 4)
+    one = pm.predict_step(0.010, 0.0, pm.Traffic((("ring", 8000),)), 1, link)
+    assert one["step_s"] == pytest.approx(0.010)
+
+
+def test_compression_at_and_time_to_target():
+    cost = {"base_s": 0.01, "per_payload_s": 0.002}
+    assert pm.compression_at(cost, 1, "allgather") == pytest.approx(0.01)
+    assert pm.compression_at(cost, 8, "allgather") == pytest.approx(0.01 + 7 * 0.002)
+    assert pm.compression_at(cost, 8, "tree") == pytest.approx(0.01 + 3 * 0.002)
+    assert pm.compression_at(cost, 5, "tree") == pytest.approx(0.01 + 3 * 0.002)
+    assert pm.time_to_target(100, 0.5, evals=2, eval_s=3) == pytest.approx(56)
+    assert pm.time_to_target(None, 0.5) is None
+
+
+def _hgsgc(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "hgsgc.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_cli_ranks_every_candidate(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", "model.name=tiny", "--nodes", "4",
+               "--bandwidth", "100mbit", "--compute-ms", "5", "--reps", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    res = json.loads(out.read_text())
+    labels = [row["method"] for row in res["rows"]]
+    assert sorted(labels) == sorted(lab for lab, _ in _candidates())
+    steps = [row["step_s"] for row in res["rows"]]
+    assert steps == sorted(steps)
+    assert res["inputs"]["compute_s"] == pytest.approx(0.005) and res["inputs"]["nodes"] == 4
+    for row in res["rows"]:  # each prediction is the model applied to the recorded inputs
+        assert row["compute_s"] == pytest.approx(0.005)
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["compression_s"] + row["wire_s"]
+                                              + row["coordination_s"])
+    assert "hgsgc plan: tiny" in r.stdout and labels[0] in r.stdout
+
+
+def _candidates():
+    from hgsgc.config import load_config
+
+    return pm.plan_candidates(load_config(os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"),
+                                          ["model.name=tiny"]))
+
+
+@pytest.mark.parametrize("args,needle", [(["--nodes", "4", "--bandwidth", "fast"], "bandwidth 'fast'"),
+                                         (["--nodes", "0", "--bandwidth", "1gbit"], "--nodes must be >= 1")])
+def test_plan_cli_bad_input_is_one_line(args, needle):
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", *args)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
