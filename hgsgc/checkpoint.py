@@ -604,3 +604,100 @@ def parameter_shapes(variables) -> dict:
         name = v.name if v.name not in out else f"{v.name}#{i}"
         out[name] = [int(x) for x in v.shape]
     return out
+
+
+class Checkpointer:
+    """The runners' checkpoint hooks: resume, periodic / timed / preemption checkpoints, the end.
+
+    Used identically by the data-parallel and the Hourglass runner (every rank calls every
+    method at the same point)::
+
+        ck = Checkpointer(cfg.checkpoint, run_dir, identity, comm, log)
+        saved = ck.resume(rank)                       # None, or this rank's state tree
+        for each step ...:
+            ck.after_step(global_step, state_fn)      # may raise faults.Preempted (exit 75)
+        ck.finish(global_step, state_fn)              # at_end checkpoint; restores signals
+
+    ``state_fn()`` returns this rank's state tree at the moment of the call.
+
+    Args:
+        settings: the ``checkpoint`` config section (dir, every_steps, every_minutes, at_end,
+            keep, resume).
+        run_dir: the run folder (default checkpoint folder: ``<run_dir>/checkpoints``).
+        identity: this run's identity (:func:`check_compatible`).
+        comm: mpi4py communicator of all ranks (:func:`hgsgc.faults.world_comm`).
+    """
+
+    def __init__(self, settings, run_dir: str, identity: dict, comm=None, log=print):
+        from hgsgc.faults import StepAgreement
+
+        self.s = settings
+        self.dir = settings.dir or os.path.join(run_dir, "checkpoints")
+        self.identity, self.comm, self.log = identity, comm, log
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.agreement = StepAgreement(comm, settings.every_minutes)
+        self.last_saved = None
+
+    def resume(self):
+        """This rank's saved state tree from the checkpoint ``resume`` selects, or None.
+
+        Raises:
+            CheckpointMismatch / CheckpointError: on every rank alike.
+        """
+        found = resolve(self.dir, self.s.resume, self.identity, self.comm)
+        if found is None:
+            return None
+        path, man = found
+        state, err = None, None
+        try:
+            state = load_rank(path, man, self.rank)
+        except CheckpointError as exc:
+            err = exc
+        agree_on_error(self.comm, err, f"resume from {path}")
+        if self.rank == 0:
+            self.log(f"hgsgc: resuming from {path} (step {man['step']})")
+        return state
+
+    def restore(self, fn, what="checkpoint"):
+        """Run ``fn()`` (assigning the loaded state) on every rank; if it fails on any rank,
+        every rank raises the same CheckpointError."""
+        err = None
+        try:
+            fn()
+        except (CheckpointError, KeyError, ValueError, TypeError) as exc:
+            err = exc
+        agree_on_error(self.comm, err, f"restoring the {what}")
+
+    def save(self, step: int, state_fn, extra=None) -> str:
+        path = save(self.dir, step, state_fn(), self.identity, self.comm, keep=self.s.keep,
+                    extra=extra)
+        self.last_saved = step
+        return path
+
+    def after_step(self, step: int, state_fn, extra_fn=None):
+        """Agree on signals and timers (a collective), then checkpoint if due; after a signal
+        raise :class:`hgsgc.faults.Preempted` on every rank (exit status 75)."""
+        from hgsgc.faults import Preempted
+
+        signame, timed = self.agreement.after_step()
+        every = self.s.every_steps
+        if signame or timed or (every and step % every == 0):
+            path = self.save(step, state_fn, extra_fn() if extra_fn else None)
+            if signame:
+                self.agreement.close()
+                if self.rank == 0:
+                    self.log(f"hgsgc: {signame} received: checkpoint of step {step} written to "
+                             f"{path}; exiting with status 75 so the job is requeued")
+                raise Preempted(step, signame, path)
+
+    def finish(self, step: int, state_fn, extra=None):
+        """The end-of-run checkpoint (``at_end``; replaces a checkpoint of the same step)."""
+        self.agreement.drain()
+        try:
+            if self.s.at_end:
+                self.save(step, state_fn, extra)
+        finally:
+            self.agreement.close()
+
+    def close(self):
+        self.agreement.close()

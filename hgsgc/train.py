@@ -119,7 +119,7 @@ def run(cfg, log=print) -> dict:
     from hgsgc.models import build_model
 
     from hgsgc import checkpoint as ckpt
-    from hgsgc.faults import Preempted, StepAgreement, configure_stall_check, world_comm
+    from hgsgc.faults import configure_stall_check, world_comm
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before hvd.init (Horovod reads it there)
     hvd.init()
@@ -184,26 +184,20 @@ def run(cfg, log=print) -> dict:
     if comm is not None:
         run_id = comm.bcast(run_id, root=0)  # same directory even if the clock ticks between ranks
     run_dir = os.path.join(cfg.run.out_dir, run_id)
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     identity = {"world_size": size, "layout": "data_parallel", "model": cfg.model.name,
                 "parameters": ckpt.parameter_shapes(model.variables),
                 "compression": compression.to_dict()}
-    resume_from = ckpt.resolve(ckpt_dir, cfg.checkpoint.resume, identity, comm)
+    checkpointer = ckpt.Checkpointer(cfg.checkpoint, run_dir, identity, comm, log if is_root else None)
     loop = {"global_step": 0, "history": [], "losses": [], "before": None,
             "step_times": [], "first_step_time": None, "wall_s": 0.0}
-    if resume_from is not None:
-        path, man = resume_from
-        try:
-            saved = ckpt.load_rank(path, man, rank)
+    saved = checkpointer.resume()
+    if saved is not None:
+        def restore():
             ckpt.load_model_state(model, saved["model"])
             ckpt.load_optimizer_state(opt, model.trainable_variables, saved["optimizer"])
             loop.update(saved["loop"])
-            err = None
-        except (ckpt.CheckpointError, KeyError, ValueError) as exc:
-            err = exc
-        ckpt.agree_on_error(comm, err, f"resume from {path}")
-        if is_root:
-            log(f"hgsgc: resuming from {path} (step {loop['global_step']})")
+
+        checkpointer.restore(restore)
     if is_root:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -226,23 +220,17 @@ def run(cfg, log=print) -> dict:
         for rec in history:  # metrics so far (a resumed run rewrites them)
             metrics_f.write(json.dumps(rec) + "\n")
         metrics_f.flush()
-    agreement = StepAgreement(comm, cfg.checkpoint.every_minutes)
-    last_saved = None
     traced = False  # this process's first step traces the graph (also after a resume)
 
-    def save_checkpoint(step, epoch_losses, before):
-        nonlocal last_saved
-        state = {"model": ckpt.model_state(model),
-                 "optimizer": ckpt.optimizer_state(opt),
-                 "loop": {"global_step": int(step), "history": history, "losses": list(epoch_losses),
-                          "before": before, "step_times": step_times,
-                          "first_step_time": first_step_time,
-                          "wall_s": time.perf_counter() - t_start}}
-        path = ckpt.save(ckpt_dir, step, state, identity, comm, keep=cfg.checkpoint.keep,
-                         extra={"history": history})
-        last_saved = step
-        return path
+    def state_fn(epoch_losses=(), before=None):
+        return {"model": ckpt.model_state(model),
+                "optimizer": ckpt.optimizer_state(opt),
+                "loop": {"global_step": int(total_steps_now[0]), "history": history,
+                         "losses": list(epoch_losses), "before": before,
+                         "step_times": step_times, "first_step_time": first_step_time,
+                         "wall_s": time.perf_counter() - t_start}}
 
+    total_steps_now = [start_step]
     try:
         for epoch in range(cfg.train.epochs):
             if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
@@ -281,16 +269,9 @@ def run(cfg, log=print) -> dict:
                 losses.append(loss)
                 if bar is not None:
                     bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
-                step = total_steps + i + 1
-                signame, timed = agreement.after_step()
-                every = cfg.checkpoint.every_steps
-                if signame or timed or (every and step % every == 0):
-                    path = save_checkpoint(step, losses, before)
-                    if signame:
-                        if is_root:
-                            log(f"hgsgc: {signame} received: checkpoint of step {step} written to "
-                                f"{path}; exiting with status 75 so the job is requeued")
-                        raise Preempted(step, signame, path)
+                step = total_steps_now[0] = total_steps + i + 1
+                checkpointer.after_step(step, lambda: state_fn(losses, before),
+                                        lambda: {"history": history})
             opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
             epoch_time = time.perf_counter() - epoch_t0
             total_steps += len(batches)
@@ -321,11 +302,10 @@ def run(cfg, log=print) -> dict:
                     f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
                     f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
                     f"compression_ratio {rec['compression_ratio']:.1f}")
-        agreement.drain()
-        if cfg.checkpoint.at_end:  # after the epoch-end sync (replaces a same-step checkpoint)
-            save_checkpoint(total_steps, [], None)
+        total_steps_now[0] = total_steps
+        checkpointer.finish(total_steps, state_fn, {"history": history})
     finally:
-        agreement.close()
+        checkpointer.close()
     wall = time.perf_counter() - t_start
     if metrics_f:
         metrics_f.close()

@@ -190,9 +190,16 @@ def run(cfg, log=print) -> dict:
     from hgsgc.hourglass.step import HourglassTrainer
     from hgsgc.models import build_model
 
+    from hgsgc import checkpoint as ckpt
+    from hgsgc.faults import configure_stall_check, world_comm
+
+    configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
     compression = config_mod.compression_from_config(cfg.compression)
     fc_compression = fc_compression_from_config(cfg)
     tf.keras.utils.set_random_seed(cfg.run.seed)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    ckpt_comm = world_comm()
     model = build_model(cfg.model.name, seed=cfg.run.seed)
     split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
     data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
@@ -246,30 +253,80 @@ def run(cfg, log=print) -> dict:
     else:
         x_eval = y_eval = None
 
-    t_start = time.perf_counter()
-    step_times, history, total_steps = [], [], 0
-    first_step_time = None
-    start_snap = trainer.snapshot()
-    metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w") if is_root else None
+    # checkpoints (docs/reliability.md): every rank saves its role's network, optimizer and
+    # hgsgc state; the identity names the roles so another split or role assignment is refused
+    identity = {"world_size": size, "layout": "hourglass", "model": cfg.model.name,
+                "parameters": ckpt.parameter_shapes(model.variables),
+                "compression": compression.to_dict(), "fc_compression": fc_compression.to_dict(),
+                "roles": {"conv": list(layout.plan.conv_ranks), "fc": list(layout.plan.fc_ranks)},
+                "split_layer": split.boundary_layer}
+    checkpointer = ckpt.Checkpointer(cfg.checkpoint, run_dir, identity, ckpt_comm,
+                                     log if is_root else None)
+    loop = {"global_step": 0, "history": [], "before": None, "start_snap": None,
+            "step_times": [], "first_step_time": None, "wall_s": 0.0}
+    saved = checkpointer.resume()
+    if saved is not None:
+        def restore():
+            ckpt.load_model_state(trainer.net, saved["net"], "Hourglass role network")
+            ckpt.load_optimizer_state(trainer.opt, trainer.variables, saved["optimizer"])
+            t = saved["trainer"]
+            trainer.counts.update({k: int(v) for k, v in t["counts"].items()})
+            trainer.steps = int(t["steps"])
+            trainer._train_loss[:] = t["train_loss"]
+            loop.update(saved["loop"])
+
+        checkpointer.restore(restore, "Hourglass state")
+    t_start = time.perf_counter() - loop["wall_s"]
+    step_times, history, total_steps = list(loop["step_times"]), list(loop["history"]), 0
+    first_step_time = loop["first_step_time"]
+    start_step = int(loop["global_step"])
+    start_snap = loop["start_snap"] or trainer.snapshot()
+    metrics_f = None
+    if is_root:
+        metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        for rec in history:  # metrics so far (a resumed run rewrites them)
+            metrics_f.write(json.dumps(rec) + "\n")
+        metrics_f.flush()
+    traced = False
+    now = [start_step]
+
+    def state_fn(before=None):
+        return {"net": ckpt.model_state(trainer.net),
+                "optimizer": ckpt.optimizer_state(trainer.opt),
+                "trainer": {"counts": dict(trainer.counts), "steps": int(trainer.steps),
+                            "train_loss": trainer._train_loss.copy()},
+                "loop": {"global_step": int(now[0]), "history": history, "before": before,
+                         "start_snap": start_snap, "step_times": step_times,
+                         "first_step_time": first_step_time,
+                         "wall_s": time.perf_counter() - t_start}}
+
     for epoch in range(cfg.train.epochs):
+        if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
+            total_steps += steps_per_epoch  # finished before the checkpoint
+            continue
+        skip = max(0, start_step - epoch * steps_per_epoch)  # data-order position
+        resumed = skip > 0 and loop["before"] is not None
         if layout.is_conv:
             batches = epoch_batches(len(data.x_train), b, conv_idx, C, epoch, cfg.run.seed)[:steps_per_epoch]
         else:
             batches = [None] * steps_per_epoch
-        before = trainer.snapshot()
+        before = loop["before"] if resumed else trainer.snapshot()
         bar = None
         if is_root and cfg.train.progress:
             bar = tf.keras.utils.Progbar(steps_per_epoch, unit_name="step",
                                          interval=0.05 if sys.stdout.isatty() else 15.0)
         epoch_t0 = time.perf_counter()
-        for i, bi in enumerate(batches):
+        for i in range(skip, len(batches)):
+            bi = batches[i]
             t0 = time.perf_counter()
             if bi is None:
                 trainer.train_step()
             else:
                 trainer.train_step(data.x_train[bi], data.y_train[bi])
-            if first_step_time is None:  # graph tracing: reported apart, not in the mean
-                first_step_time = time.perf_counter() - t0
+            if not traced:  # graph tracing: reported apart, not in the mean
+                traced = True
+                if first_step_time is None:
+                    first_step_time = time.perf_counter() - t0
                 # roles trace different graphs: without this barrier the CONV ranks' second step
                 # would absorb the FC rank's longer first step (tracing), biasing their mean
                 layout.p2p.Barrier()
@@ -278,6 +335,8 @@ def run(cfg, log=print) -> dict:
                 step_times.append(time.perf_counter() - t0)
             if bar is not None:
                 bar.update(i + 1)
+            now[0] = total_steps + i + 1
+            checkpointer.after_step(now[0], lambda: state_fn(before), lambda: {"history": history})
         trainer.synchronize()  # delay: pending CONV sync before evaluating (identical trunks)
         epoch_time = time.perf_counter() - epoch_t0
         total_steps += len(batches)
@@ -301,6 +360,7 @@ def run(cfg, log=print) -> dict:
             "roles": roles,
         }
         history.append(rec)
+        loop["before"] = None
         if is_root:
             metrics_f.write(json.dumps(rec) + "\n")
             metrics_f.flush()
@@ -311,6 +371,8 @@ def run(cfg, log=print) -> dict:
                 f"FC {roles['fc']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB; "
                 f"all ranks {rec['total_bytes_sent_per_step'] / 1e3:.1f} kB/step "
                 f"(dense data-parallel {rec['dense_total_bytes_sent_per_step'] / 1e3:.1f} kB)")
+    now[0] = total_steps
+    checkpointer.finish(total_steps, state_fn, {"history": history})
     wall = time.perf_counter() - t_start
     if metrics_f:
         metrics_f.close()

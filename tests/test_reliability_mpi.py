@@ -1,0 +1,268 @@
+"""Multi-rank reliability under mpirun: bit-exact resume, preemption, kill -9, stalls, errors once.
+
+Every run has a timeout, so a hang fails the test instead of stalling CI. The training runs use
+the tiny model on 2,000 Fashion-MNIST images with TensorFlow op determinism
+(``train.deterministic=true``); "bit-exact" compares every array of every rank's final state
+(weights, optimizer slots, residuals, PowerSGD factors, DGC velocity, delay anchors, local step,
+exchange counters) byte for byte.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ckpt_compare import compare
+from conftest import MPIRUN, PY, ROOT
+from hgsgc import checkpoint as ckpt
+
+pytestmark = [pytest.mark.mpi]
+
+BASE = ["configs/fashion_mnist_dense.yaml", "model.name=tiny", "data.train_limit=2000",
+        "data.test_limit=200", "train.epochs=2", "train.max_steps_per_epoch=5",
+        "train.progress=false", "train.deterministic=true", "checkpoint.keep=20", "train.threads=1"]
+METHODS = {
+    "sgc_delay4": ["compression.method=sgc", "compression.density=0.05", "compression.delay=4"],
+    "dgc": ["compression.method=dgc", "compression.density=0.05"],
+    "powersgd": ["compression.method=powersgd", "compression.powersgd_rank=2"],
+}
+STEPS = 10  # 2 epochs x 5 steps
+
+
+def _cmd(np_, out, run_id, extra):
+    return (MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY,
+                      "-m", "hgsgc.cli", "train"] + BASE
+            + [f"run.out_dir={out}", f"run.id={run_id}"] + list(extra))
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def _train(np_, out, run_id, extra, timeout=420):
+    p = subprocess.run(_cmd(np_, out, run_id, extra), capture_output=True, text=True,
+                       timeout=timeout, env=_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+_UNINTERRUPTED = {}
+
+
+def uninterrupted(np_, method, tmp_path_factory):
+    """One uninterrupted run per (ranks, method), checkpointing every 3 steps (cached)."""
+    key = (np_, method)
+    if key not in _UNINTERRUPTED:
+        out = tmp_path_factory.mktemp(f"a_{method}_{np_}")
+        _train(np_, out, "a", METHODS[method] + ["checkpoint.every_steps=3"])
+        _UNINTERRUPTED[key] = out / "a" / "checkpoints"
+    return _UNINTERRUPTED[key]
+
+
+def _assert_bit_exact(a_dir, b_dir, min_leaves):
+    n, diffs = compare(str(a_dir), str(b_dir))
+    assert n >= min_leaves and not diffs, (n, diffs[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_resume_mid_run_is_bit_exact(np_, method, tmp_path_factory):
+    """Stop after step 3 (mid-epoch; with delay 4 mid-way between syncs), resume in a new run
+    from that checkpoint alone: the final state equals the uninterrupted run's bit for bit."""
+    a = uninterrupted(np_, method, tmp_path_factory)
+    out = tmp_path_factory.mktemp(f"b_{method}_{np_}")
+    os.makedirs(out / "b" / "checkpoints")
+    shutil.copytree(a / "step-00000003", out / "b" / "checkpoints" / "step-00000003")
+    p = _train(np_, out, "b", METHODS[method])
+    assert "resuming from" in p.stdout and "(step 3)" in p.stdout, p.stdout[-2000:]
+    final_a, final_b = a / f"step-{STEPS:08d}", out / "b" / "checkpoints" / f"step-{STEPS:08d}"
+    # model + Keras optimizer + hgsgc state, every rank: bitwise equal
+    _assert_bit_exact(final_a, final_b, min_leaves=np_ * 10)
+    man = ckpt.read_manifest(str(final_b))
+    s_a = ckpt.load_rank(str(final_a), ckpt.read_manifest(str(final_a)), 0)
+    s_b = ckpt.load_rank(str(final_b), man, 0)
+    assert [h["test_accuracy"] for h in s_a["loop"]["history"]] == \
+           [h["test_accuracy"] for h in s_b["loop"]["history"]]
+    hs = s_b["optimizer"]["hgsgc"]
+    if method == "sgc_delay4":
+        assert "anchors" in hs and len(hs["residuals"]) > 0
+    if method == "dgc":
+        assert len(hs["velocity"]) > 0 and len(hs["residuals"]) > 0
+    if method == "powersgd":
+        assert len(hs["powersgd_q"]) > 0
+    # the comparison is not vacuous: the state moved between the resume point and the end
+    n, diffs = compare(str(a / "step-00000003"), str(final_a))
+    assert len(diffs) > np_, diffs
+
+
+@pytest.mark.slow
+def test_hourglass_resume_is_bit_exact(tmp_path_factory):
+    """Hourglass + SGC delay 4 (2 CONV ranks, 1 FC rank): resumed after step 3 in a new run, the
+    final state of every rank (CONV trunks, FC head, both roles' optimizers and hgsgc state)
+    equals the uninterrupted run's bit for bit."""
+    args = HOURGLASS[:4] + ["train.epochs=2", "train.max_steps_per_epoch=5", "train.progress=false",
+                            "train.threads=1", "hourglass.fc_workers=1", "train.deterministic=true",
+                            "checkpoint.keep=20", "compression.delay=4", "compression.density=0.05"]
+    env = _env()
+    base = MPIRUN + ["-np", "3", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m",
+                     "hgsgc.cli", "train"] + args
+    out = tmp_path_factory.mktemp("hg")
+    p = subprocess.run(base + [f"run.out_dir={out}", "run.id=a", "checkpoint.every_steps=3"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    a = out / "a" / "checkpoints"
+    os.makedirs(out / "b" / "checkpoints")
+    shutil.copytree(a / "step-00000003", out / "b" / "checkpoints" / "step-00000003")
+    p = subprocess.run(base + [f"run.out_dir={out}", "run.id=b"], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0 and "(step 3)" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    _assert_bit_exact(a / f"step-{STEPS:08d}", out / "b" / "checkpoints" / f"step-{STEPS:08d}",
+                      min_leaves=3 * 8)
+    man = ckpt.read_manifest(str(a / f"step-{STEPS:08d}"))
+    assert man["run"]["roles"] == {"conv": [0, 1], "fc": [2]}
+    conv = ckpt.load_rank(str(a / f"step-{STEPS:08d}"), man, 0)
+    assert "anchors" in conv["optimizer"]["hgsgc"]  # the CONV side's delay state is saved
+    n, diffs = compare(str(a / "step-00000003"), str(a / f"step-{STEPS:08d}"))
+    assert len(diffs) > 3, diffs
+
+
+def _rank_pids(mpirun_pid, np_, deadline_s=120):
+    """World rank -> pid of the python processes under mpirun (psutil, by OMPI_COMM_WORLD_RANK)."""
+    import psutil
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        out = {}
+        for ch in psutil.Process(mpirun_pid).children(recursive=True):
+            try:
+                r = ch.environ().get("OMPI_COMM_WORLD_RANK")
+                if r is not None and "python" in os.path.basename(ch.exe()):
+                    out[int(r)] = ch.pid
+            except (psutil.Error, ValueError):
+                continue
+        if len(out) == np_:
+            return out
+        time.sleep(0.2)
+    raise AssertionError("rank processes not found")
+
+
+def _wait_for(path_or_fn, proc, timeout=300):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (path_or_fn() if callable(path_or_fn) else os.path.exists(path_or_fn)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early: {proc.communicate()}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {path_or_fn}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_,target,sig", [(2, "rank1", signal.SIGTERM), (3, "mpirun", signal.SIGUSR1)])
+def test_preemption_signal_checkpoints_exits_75_and_resume_is_bit_exact(np_, target, sig,
+                                                                        tmp_path_factory):
+    """A signal to one rank (SIGTERM) or to mpirun (SIGUSR1, forwarded to every rank): all ranks
+    agree on a step, write its checkpoint and exit 75; running the same command again resumes
+    and ends with exactly the uninterrupted run's state."""
+    a = uninterrupted(np_, "sgc_delay4", tmp_path_factory)
+    out = tmp_path_factory.mktemp(f"sig_{np_}")
+    cmd = _cmd(np_, out, "s", METHODS["sgc_delay4"] + ["train.epochs=2", "checkpoint.every_steps=1"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT)
+    try:
+        pids = _rank_pids(proc.pid, np_)
+        _wait_for(str(out / "s" / "checkpoints" / "step-00000002" / "manifest.json"), proc)
+        os.kill(pids[1] if target == "rank1" else proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, stdout[-2000:] + stderr[-3000:]
+    name = signal.Signals(sig).name
+    line = [ln for ln in stdout.splitlines() if f"{name} received: checkpoint of step" in ln]
+    assert len(line) == 1, stdout[-2000:]
+    step = int(line[0].split("checkpoint of step ")[1].split()[0])
+    assert 2 <= step < STEPS, line
+    latest = ckpt.latest(str(out / "s" / "checkpoints"))
+    assert latest.endswith(f"step-{step:08d}")
+    # requeued: the same command again
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=_env(), cwd=ROOT)
+    assert p.returncode == 0 and f"(step {step})" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    _assert_bit_exact(a / f"step-{STEPS:08d}", out / "s" / "checkpoints" / f"step-{STEPS:08d}",
+                      min_leaves=np_ * 10)
+
+
+def test_checkpoint_of_other_rank_count_refused_once(tmp_path_factory):
+    """Resuming a 2-rank checkpoint with 3 ranks stops every rank with one line naming it."""
+    a = uninterrupted(2, "sgc_delay4", tmp_path_factory)
+    out = tmp_path_factory.mktemp("mismatch")
+    p = subprocess.run(_cmd(3, out, "m", METHODS["sgc_delay4"] + [f"checkpoint.resume={a / 'step-00000003'}"]),
+                       capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.splitlines() if "CheckpointMismatch" in ln]
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert "rank count: checkpoint 2, this run 3" in lines[0], lines
+
+
+def test_runtime_error_on_every_rank_printed_once(tmp_path):
+    p = subprocess.run(_cmd(3, tmp_path, "e", [f"data.path={tmp_path}"]), capture_output=True,
+                       text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.splitlines() if "DataError" in ln]
+    assert len(lines) == 1 and "hgsgc: error (all 3 ranks): DataError" in lines[0], p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rank_that_stops_issuing_collectives_ends_job_naming_it(np_):
+    """faults.stall_timeout_s (Horovod's stall inspector): the job ends, naming the rank."""
+    from conftest import mpirun
+
+    stalled = np_ - 1
+    t0 = time.monotonic()
+    p = mpirun(np_, ["tests/mpi/fault_stall.py", str(stalled)], timeout=240,
+               env={"STALL_TIMEOUT_S": "6"})
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and "UNREACHABLE" not in p.stdout
+    out = p.stdout + p.stderr
+    assert f"Missing ranks:\n{stalled}!" in out, out[-3000:]
+    assert "is stalled for longer than 6 seconds. Will shutdown." in out, out[-3000:]
+    print(f"stall: job ended {took:.1f} s after start (6 s stall timeout)")
+
+
+HOURGLASS = ["configs/fashion_mnist.yaml", "model.name=tiny", "data.train_limit=2000",
+             "data.test_limit=200", "train.epochs=50", "train.max_steps_per_epoch=4",
+             "train.progress=false", "train.threads=1", "hourglass.fc_workers=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,victim", [("data_parallel", 1), ("hourglass", 0),
+                                           ("hourglass", 2)])
+def test_kill_9_of_any_rank_ends_job_within_60s(layout, victim, tmp_path):
+    """SIGKILL of one rank mid-training (Hourglass: rank 0 is a CONV rank, rank 2 the FC rank)
+    ends the whole job, non-zero, within 60 s of the kill."""
+    np_ = 3
+    args = (HOURGLASS if layout == "hourglass"
+            else BASE[:4] + ["train.epochs=50", "train.max_steps_per_epoch=4", "train.progress=false",
+                             "train.threads=1"] + METHODS["sgc_delay4"])
+    cmd = (MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m",
+                     "hgsgc.cli", "train"] + args
+           + [f"run.out_dir={tmp_path}", "run.id=k", "checkpoint.at_end=false"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), cwd=ROOT)
+    try:
+        pids = _rank_pids(proc.pid, np_)
+        metrics = tmp_path / "k" / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, proc)
+        os.kill(pids[victim], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out[-2000:]
+    assert took < 60, took
+    print(f"kill -9 of rank {victim} ({layout}): job ended {took:.1f} s after the kill")
