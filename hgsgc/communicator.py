@@ -81,6 +81,27 @@ def _ring_allreduce_bytes(n: int, nbytes: int) -> int:
     return (2 * (n - 1) * nbytes) // n if n > 1 else 0
 
 
+def _fp16_average(tensors, n, process_set):
+    """Average over ``n`` ranks with fp16 on the wire, scaling by ``1/n`` BEFORE the fp16 cast:
+    ``sum_r fp16(x_r / n)``. Values whose sum over ranks exceeds the float16 range (65504) but
+    whose average does not stay finite (Horovod's ``Compression.fp16`` with ``op=Average``
+    casts first and sums in fp16, giving inf). Integer tensors are averaged uncompressed."""
+    out = list(tensors)
+    fl = [i for i, t in enumerate(tensors) if t.dtype.is_floating]
+    other = [i for i, t in enumerate(tensors) if not t.dtype.is_floating]
+    if fl:
+        scaled = [tf.cast(tf.cast(tensors[i], tf.float32) / float(n), tf.float16) for i in fl]
+        summed = hvd.grouped_allreduce(scaled, op=hvd.Sum, process_set=process_set)
+        for i, r in zip(fl, summed):
+            out[i] = tf.cast(r, tensors[i].dtype)
+    if other:
+        avg = hvd.grouped_allreduce([tensors[i] for i in other], op=hvd.Average,
+                                    process_set=process_set)
+        for i, r in zip(other, avg):
+            out[i] = r
+    return out
+
+
 class Exchanger:
     """Averages lists of tensors over a process set through a compression setting.
 
@@ -221,6 +242,8 @@ class Exchanger:
         wire = _ring_allreduce_bytes(n, payload)
         if n == 1:
             result = list(tensors)
+        elif hvd_comp is hvd.Compression.fp16:
+            result = _fp16_average(list(tensors), n, self.process_set)
         else:
             result = hvd.grouped_allreduce(list(tensors), op=hvd.Average, compression=hvd_comp,
                                            process_set=self.process_set)

@@ -189,6 +189,17 @@ def _abort(code: int):
     sys.exit(code)
 
 
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; TensorFlow's "in user code:" traces (an error raised while
+    tracing a ``tf.function``) are cut to their last line, the original error."""
+    msg = str(exc)
+    if "in user code:" in msg:
+        last = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+        if last:
+            return last[-1]
+    return f"{type(exc).__name__}: {' '.join(msg.split()) if len(msg) < 2000 else msg}"
+
+
 def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None) -> int:
     """Print ``exc`` once for the whole job and end this rank; returns the exit code (1) when
     every rank failed alike (the caller exits), otherwise aborts the MPI job.
@@ -201,7 +212,7 @@ def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None)
       ``MPI_Abort``, which ends every rank.
     """
     rank = world_rank()
-    line = f"{type(exc).__name__}: {exc}"
+    line = one_line(exc)
     comm = comm if comm is not None else error_comm()
     if comm is None:
         print(f"hgsgc: error: {line}", file=sys.stderr, flush=True)
@@ -233,3 +244,98 @@ def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None)
     print(f"hgsgc: error on rank {rank}: {line}", file=sys.stderr, flush=True)
     _abort(1)
     return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient guards used by hgsgc.DistributedOptimizer
+
+NONFINITE_MODES = ("off", "skip", "raise")
+
+
+def densify(grads, variables):
+    """Dense gradients with the variables' static shapes.
+
+    ``tf.IndexedSlices`` become dense tensors, and a gradient whose static shape is unknown at
+    trace time (e.g. ``IndexedSlices`` merged by ``tf.cond`` inside ``tf.function``, whose
+    ``dense_shape`` is a tensor) is reshaped to its variable's shape, so the payload sizes that
+    compression fixes at trace time are known. ``None`` passes through.
+
+    Raises:
+        ValueError: a gradient's known shape differs from its variable's (named).
+    """
+    import tensorflow as tf
+
+    out = []
+    for g, v in zip(grads, variables):
+        if g is None:
+            out.append(None)
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        g = tf.convert_to_tensor(g)
+        vshape = getattr(v, "shape", None)
+        if vshape is not None and tf.TensorShape(vshape).is_fully_defined() \
+                and not g.shape.is_fully_defined():
+            if not g.shape.is_compatible_with(vshape):
+                raise ValueError(f"gradient of {getattr(v, 'name', '?')} has shape {g.shape} but "
+                                 f"the variable has shape {vshape}")
+            g = tf.reshape(g, vshape)
+        out.append(g)
+    return out
+
+
+def check_same_signature(names, tensors, process_set=None, what="gradient"):
+    """Collective (once, eagerly, at trace time): every rank passes the same names, shapes and
+    dtypes; otherwise every rank raises the same error naming the variable and both shapes.
+
+    Without it, a shape that differs across ranks reaches the sparse allgather (whose rows may
+    differ in length) and gives wrong averages or a hang, or Horovod's error names only its
+    internal tensor.
+
+    Raises:
+        ValueError: naming the first variable that differs, the ranks and both shapes/dtypes.
+    """
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    ps = process_set if process_set is not None else hvd.global_process_set
+    sig = [(str(n), None if t is None else t.shape.as_list(), None if t is None else t.dtype.name)
+           for n, t in zip(names, tensors)]
+    with tf.init_scope():
+        n = ps.size() if hasattr(ps, "size") and callable(ps.size) else hvd.size()
+        if n <= 1:
+            return
+        from horovod.tensorflow.functions import allgather_object
+
+        allsigs = allgather_object(sig, process_set=ps)
+    ref = allsigs[0]
+    for r, s in enumerate(allsigs[1:], start=1):
+        if len(s) != len(ref):
+            raise ValueError(f"rank {r} passes {len(s)} {what}s but rank 0 passes {len(ref)}: "
+                             f"every rank must build the same model")
+        for (n0, sh0, dt0), (n1, sh1, dt1) in zip(ref, s):
+            if n0 != n1 or sh0 != sh1 or dt0 != dt1:
+                raise ValueError(f"{what} of variable {n0!r}: shape {sh0} {dt0} on rank 0 but "
+                                 f"{n1!r} has shape {sh1} {dt1} on rank {r}: every rank must "
+                                 f"build the same model (same sizes and dtypes)")
+
+
+def all_finite(tensors):
+    """Scalar bool tensor: every floating entry of ``tensors`` is finite (local, no collective)."""
+    import tensorflow as tf
+
+    checks = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors
+              if t is not None and t.dtype.is_floating]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def all_ranks_finite(tensors, process_set=None, name=None):
+    """Scalar bool tensor, the same on every rank: no rank has a NaN/Inf entry (one 4-byte
+    ``allreduce(op=Min)`` of the local verdict)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    ps = process_set if process_set is not None else hvd.global_process_set
+    local = tf.cast(all_finite(tensors), tf.float32)
+    agreed = hvd.allreduce(tf.reshape(local, [1]), op=hvd.Min, process_set=ps, name=name)
+    return tf.greater(agreed[0], 0.5)

@@ -14,6 +14,8 @@ with Horovod); then the weights are identical on every rank right after each syn
 """
 from __future__ import annotations
 
+import sys
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -84,6 +86,7 @@ class _HgsgcOptimizerMixin:
         self._hgsgc_anchors = None
         self._hgsgc_local_step = None
         self._hgsgc_sync_fn = None
+        self._hgsgc_guard_setup()
 
     @property
     def hgsgc_exchanger(self) -> Exchanger:
@@ -94,31 +97,125 @@ class _HgsgcOptimizerMixin:
     def hgsgc_stats(self):
         return self._hgsgc_exchanger.stats
 
+    # --- reliability guards (hgsgc.faults; docs/reliability.md) -------------------------------
+    def _hgsgc_guard_setup(self):
+        self._hgsgc_nonfinite = "off"
+        self._hgsgc_checked = set()
+        with tf.init_scope():
+            self._hgsgc_skipped = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                              name="hgsgc_skipped_steps")
+
+    def hgsgc_set_nonfinite(self, mode: str):
+        """What a NaN/Inf gradient does: ``"off"`` (default: no check), ``"skip"`` (the step is
+        not applied, on every rank alike with delay 1 (one 4-byte ``allreduce(op=Min)`` per step)
+        or on the rank that saw it with delay > 1 (local steps are local; the sync schedule is
+        kept), a warning is printed and :attr:`hgsgc_skipped_steps` counts it) or ``"raise"``
+        (every rank stops with an error). Either way nothing non-finite enters a residual.
+        Set it before the first step is traced.
+
+        Raises:
+            ValueError: another mode.
+        """
+        from hgsgc.faults import NONFINITE_MODES
+
+        if mode not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite mode must be one of {NONFINITE_MODES}, got {mode!r}")
+        self._hgsgc_nonfinite = mode
+
+    @property
+    def hgsgc_skipped_steps(self) -> int:
+        """Steps skipped so far because of a NaN/Inf gradient (this rank's count)."""
+        return int(self._hgsgc_skipped.numpy())
+
+    def variables(self):
+        """The Keras optimizer's variables plus, with delay, the sync anchors and local step,
+        so Horovod's ``BroadcastGlobalVariablesCallback`` / ``broadcast_variables(opt.variables())``
+        move the anchors together with the weights (otherwise ranks that started from
+        different weights keep different anchors and never agree again)."""
+        extra = []
+        if getattr(self, "_hgsgc_anchors", None) is not None:
+            extra = list(self._hgsgc_anchors) + [self._hgsgc_local_step]
+        return list(super().variables()) + extra
+
+    def _hgsgc_guard(self, grads, variables, names, apply_fn, collective: bool):
+        """Densify, check shapes across ranks once, then run ``apply_fn(grads)`` unless a
+        gradient is non-finite (see :meth:`hgsgc_set_nonfinite`)."""
+        from hgsgc import faults
+
+        grads = faults.densify(grads, variables)
+        key = tuple(names)
+        if key not in self._hgsgc_checked:
+            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set)
+            self._hgsgc_checked.add(key)
+        mode = self._hgsgc_nonfinite
+        if mode == "off":
+            apply_fn(grads)
+            return tf.constant(True)
+        if collective:
+            ok = faults.all_ranks_finite(grads, self._hgsgc_exchanger.process_set,
+                                         name=f"hgsgc_finite_{len(self._hgsgc_checked)}")
+        else:
+            ok = faults.all_finite(grads)
+        if mode == "raise":
+            with tf.control_dependencies([tf.debugging.Assert(
+                    ok, ["hgsgc: NaN/Inf gradient (faults.nonfinite=raise) at optimizer step",
+                         self.iterations])]):
+                apply_fn(grads)
+                return tf.constant(True)
+
+        def run():
+            op = apply_fn(grads)
+            with tf.control_dependencies([op] if op is not None else []):
+                return tf.constant(True)
+
+        def skip():
+            inc = self._hgsgc_skipped.assign_add(1)
+            with tf.control_dependencies([inc]):
+                if hvd.rank() == 0 or not collective:
+                    pr = tf.print("hgsgc: warning: NaN/Inf gradient",
+                                  "on some rank:" if collective else f"on rank {hvd.rank()}:",
+                                  "step", self.iterations, "skipped (faults.nonfinite=skip)",
+                                  output_stream=sys.stderr)
+                    with tf.control_dependencies([pr]):
+                        return tf.constant(False)
+                return tf.constant(False)
+
+        return tf.cond(ok, run, skip)
+
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         names = _var_names(variables)
         delay = self._hgsgc_compression.delay
+        sup = super()
         if delay == 1:
-            grads = local_clip([g for g, _ in grads_and_vars], self._hgsgc_compression,
-                               self._hgsgc_exchanger.size)
-            if getattr(self._hgsgc_compression, "momentum_correction", False):
-                avg = self._hgsgc_corrected_exchange(grads, names)
-            else:
-                avg = self._hgsgc_exchanger.exchange(grads, names)
-            pairs = [(g, v) for g, (_, v) in zip(avg, grads_and_vars) if g is not None]
-            return super().apply_gradients(pairs, name=name,
+            def apply_synced(grads):
+                grads = local_clip(grads, self._hgsgc_compression, self._hgsgc_exchanger.size)
+                if getattr(self._hgsgc_compression, "momentum_correction", False):
+                    avg = self._hgsgc_corrected_exchange(grads, names)
+                else:
+                    avg = self._hgsgc_exchanger.exchange(grads, names)
+                pairs = [(g, v) for g, v in zip(avg, variables) if g is not None]
+                return sup.apply_gradients(pairs, name=name,
                                            experimental_aggregate_gradients=experimental_aggregate_gradients)
+
+            return self._hgsgc_guard([g for g, _ in grads_and_vars], variables, names,
+                                     apply_synced, collective=True)
         self._hgsgc_build_delay(variables)
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        op = super().apply_gradients(pairs, name=name,
-                                     experimental_aggregate_gradients=experimental_aggregate_gradients)
-        with tf.control_dependencies([op]):
+
+        def apply_local(grads):
+            pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+            return sup.apply_gradients(pairs, name=name,
+                                       experimental_aggregate_gradients=experimental_aggregate_gradients)
+
+        done = self._hgsgc_guard([g for g, _ in grads_and_vars], variables, names, apply_local,
+                                 collective=False)
+        with tf.control_dependencies([done]):  # skipped or not: the sync schedule is the same
             step = self._hgsgc_local_step.assign_add(1)
             tf.cond(tf.equal(step % delay, 0), lambda: self._hgsgc_sync(variables, names),
                     lambda: tf.constant(False))
-        return op
+        return done
 
     def _hgsgc_corrected_exchange(self, grads, names):
         """DGC momentum correction + momentum factor masking around the exchange."""

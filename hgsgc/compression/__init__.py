@@ -49,6 +49,8 @@ class DenseCompression:
         return 2 if self.kind == "fp16" else 4
 
     def compress(self, tensor):
+        if self.delay != 1:  # stock Horovod would silently average every step
+            _stock_horovod_error(self)
         return self.horovod.compress(tensor)
 
     def decompress(self, tensor, ctx):
@@ -291,3 +293,18 @@ def as_compression(compression):
 
 
 COMPRESSIONS = (DenseCompression, SparseCompression, TernGradCompression, PowerSGDCompression)
+
+
+def _stock_horovod_error(comp, *args, **kwargs):
+    """Horovod's own ``DistributedOptimizer`` / ``allreduce`` call ``compression.compress(t)``:
+    an hgsgc setting that Horovod cannot run fails there with a message naming the fix."""
+    raise TypeError(
+        f"{comp.to_dict()} is an hgsgc compression; stock Horovod (hvd.DistributedOptimizer, "
+        f"hvd.DistributedGradientTape, hvd.allreduce) cannot run it and would not apply it. Use "
+        f"hgsgc.DistributedOptimizer(opt, compression=...) or hgsgc.DistributedGradientTape("
+        f"tape, compression=...), which take the same arguments as Horovod's")
+
+
+for _cls in (SparseCompression, TernGradCompression, PowerSGDCompression):
+    _cls.compress = _stock_horovod_error
+    _cls.decompress = _stock_horovod_error

@@ -129,5 +129,56 @@ try:
 except Exception as exc:  # reported, the test fails on it
     out["indexed_slices_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
+# 5. NaN/Inf: rank 1's gradient is NaN at the 2nd step; skip mode skips it on every rank
+for mode in ("skip", "raise"):
+    model = model_for(seed=7)
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                                     compression=hgsgc.Compression.topk(0.3, selector="exact"))
+    opt.hgsgc_set_nonfinite(mode)
+
+    @tf.function
+    def nstep(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    rec = {}
+    try:
+        for i in range(3):
+            xb = x[8 * i:8 * i + 8].copy()
+            if i == 1 and rank == min(1, size - 1):
+                xb[0, 0] = np.nan
+            before_w = [v.numpy().copy() for v in model.trainable_variables]
+            before_r = {k: v.copy() for k, v in opt.hgsgc_state()["residuals"].items()}
+            nstep(xb, y[8 * i:8 * i + 8])
+            if i == 1:
+                rec["weights_unchanged"] = all(np.array_equal(a, v.numpy()) for a, v in
+                                               zip(before_w, model.trainable_variables))
+                after_r = opt.hgsgc_state()["residuals"]
+                rec["residuals_unchanged"] = all(np.array_equal(before_r[k], after_r[k]) for k in before_r)
+                rec["iterations_after_skip"] = int(opt.iterations.numpy())
+        state = opt.hgsgc_state()
+        rec["residuals_finite"] = all(bool(np.all(np.isfinite(r))) for r in state["residuals"].values())
+        rec["weights_finite"] = all(bool(np.all(np.isfinite(v.numpy()))) for v in model.trainable_variables)
+        rec["skipped"] = opt.hgsgc_skipped_steps
+        rec["spread"] = spread(model.trainable_variables)
+        rec["error"] = None
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rec["error_names_setting"] = "NaN/Inf gradient (faults.nonfinite=raise)" in str(exc)
+    out[f"nonfinite_{mode}"] = rec
+
+# 6. an hgsgc compression given to stock Horovod's DistributedOptimizer
+model = model_for(seed=3)
+stock = hvdk.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                  compression=hgsgc.Compression.sgc(0.1))
+model.compile(optimizer=stock, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+try:
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    out["stock_horovod_error"] = None
+except Exception as exc:
+    out["stock_horovod_error"] = f"{type(exc).__name__}: {exc}"[-600:]
+
 if rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
