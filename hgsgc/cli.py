@@ -1,9 +1,11 @@
 """``hgsgc`` command line: ``hgsgc train CONFIG [key=value ...]``, ``hgsgc report RUN_DIR``.
 
 Under ``mpirun``/``srun`` every rank runs the same command. A configuration error stops every
-rank with one line (printed by rank 0) and exit code 2 before any collective; any other error
-on any rank prints ``hgsgc: error on rank R: ...`` and aborts the whole MPI job (exit 1), so a
-failure on one rank never leaves the others hanging in a collective.
+rank with one line (printed by rank 0) and exit code 2 before any collective; an error every
+rank raises alike is printed once (``hgsgc: error (all N ranks): ...``, exit 1); an error on some
+ranks prints ``hgsgc: error on rank R: ...`` and aborts the whole MPI job (exit 1), so a failure
+on one rank never leaves the others hanging in a collective. Preemption (SIGTERM / SIGUSR1)
+writes a checkpoint and exits 75 on every rank (docs/reliability.md).
 """
 from __future__ import annotations
 
