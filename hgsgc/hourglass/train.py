@@ -226,6 +226,8 @@ def run(cfg, log=print) -> dict:
     trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
                                fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype,
                                micro_batches=cfg.hourglass.micro_batches)
+    if hasattr(trainer.opt, "hgsgc_set_nonfinite"):  # per role: each role skips alike
+        trainer.opt.hgsgc_set_nonfinite(cfg.faults.nonfinite)
 
     d_conv = sum(int(np.prod(v.shape)) for v in split.trunk_variables)
     d_fc = sum(int(np.prod(v.shape)) for v in split.head_variables)
