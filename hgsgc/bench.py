@@ -1,7 +1,7 @@
 """``hgsgc bench SPEC.yaml``: the side-by-side benchmark matrix on the emulated cluster.
 
 For every cell (method x bandwidth x host count) of a spec (YAML, see ``configs/bench/``) this
-brings up an :class:`EmulatedCluster` (``scripts/cluster/``, docs/cluster.md) with its own prefix,
+brings up an :class:`hgsgc.cluster.EmulatedCluster` (``scripts/cluster/cluster.sh``, docs/cluster.md) with its own prefix,
 runs ``hgsgc train`` across its hosts with one rank per host, reads the run's ``summary.json`` and
 the hosts' interface counters, and always tears the cluster down. A failed cell (bad override,
 crash, timeout) is recorded with ``status: failed`` and its error; the matrix goes on.
@@ -17,6 +17,7 @@ Spec::
     mpi_args: []                          # extra mpirun options for every cell
     timeout_s: 900                        # per cell
     compute_only: true
+    dilation: none                        # none | cpu_share | gpu (see dilation_factor)
     methods:
       - name: horovod_dense               # a label
         config: configs/fashion_mnist_dense.yaml
@@ -44,7 +45,6 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLUSTER_DIR = os.path.join(ROOT, "scripts", "cluster")
 FULL_TRAIN_IMAGES = 60000
 
 ROLES = ("dense", "baseline", "ours", "other")
@@ -67,15 +67,14 @@ class SpecError(ValueError):
 
 
 def _emulated():
-    if CLUSTER_DIR not in sys.path:
-        sys.path.insert(0, CLUSTER_DIR)
-    import emulated  # noqa: E402
+    from hgsgc import cluster
 
-    return emulated
+    return cluster
 
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
-             "compute_only_shared", "out_dir", "runs_dir", "methods")
+             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source")
+DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
@@ -162,6 +161,18 @@ def load_spec(path_or_dict) -> dict:
             raise SpecError(f"spec: methods[{i}] ({m['name']}): config {m['config']} not found "
                             f"(paths are relative to the directory you run hgsgc bench from)")
         names.add(m["name"])
+    spec.setdefault("dilation", "none")
+    if spec["dilation"] not in DILATIONS:
+        raise SpecError(f"spec: 'dilation' must be one of {', '.join(DILATIONS)}, got {spec['dilation']!r}")
+    if spec["dilation"] == "cpu_share" and not (spec["compute_only"] and spec["compute_only_shared"]):
+        raise SpecError("spec: dilation: cpu_share needs compute_only and compute_only_shared "
+                        "(the CPU share of a cell is its compute-only step alone / with n processes at once)")
+    if spec["dilation"] == "gpu":
+        g = spec.get("gpu_step_ms")
+        if not isinstance(g, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in g.values()) \
+                or not spec.get("gpu_source") or not spec["compute_only"]:
+            raise SpecError("spec: dilation: gpu needs compute_only, gpu_step_ms: {method: ms > 0} "
+                            "(a GPU's step for the same model and batch) and gpu_source: where that figure comes from")
     for key in ("compute_only", "compute_only_shared"):
         v = spec[key]
         if isinstance(v, list):
@@ -272,8 +283,49 @@ def _train_args(python: str, method: dict, spec: dict, run_dir_root: str, run_id
             f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
 
 
-def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optional[str] = None) -> dict:
-    """One cell: an emulated cluster of ``hosts`` hosts at ``bandwidth``, one train run across it."""
+def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optional[float]:
+    """Time-dilation factor ``f`` of a cell (Gupta et al., NSDI 2006): the emulated link runs at
+    ``f`` times the nominal rate (``f <= 1``: this machine computes ``1/f`` times slower than the
+    emulated one), so that the ratio of compute to communication time is that of the machine
+    being emulated; a measured time times ``f`` is that time on the emulated machine's clock.
+    What it preserves: the compute / communication ratio and so the relative ranking of methods.
+    What it does not: latencies (alpha is not dilated: netem is missing here), the Horovod cycle
+    and MPI software overheads (they run at this machine's speed), and memory effects.
+
+    ``cpu_share``: ``f`` = the method's compute-only step alone / with ``hosts`` processes at once
+    (the CPU share each emulated host gets on this machine; 1 host: 1). ``gpu``: ``f`` =
+    ``gpu_step_ms[method]`` / the compute-only step alone (a GPU host, tens of times faster).
+    ``none``: None. A missing measurement gives None and the cell records why.
+    """
+    mode = spec.get("dilation", "none")
+    if mode == "none":
+        return None
+    alone = results["compute_only"].get(method, {})
+    if alone.get("status") != "ok":
+        return None
+    if mode == "cpu_share":
+        if hosts == 1:
+            return 1.0
+        shared = results["compute_only_shared"].get(f"{method}@{hosts}", {})
+        if shared.get("status") != "ok":
+            return None
+        return min(1.0, alone["mean_step_time_s"] / shared["mean_step_time_s"])
+    g = (spec.get("gpu_step_ms") or {}).get(method)
+    return None if g is None else g / 1e3 / alone["mean_step_time_s"]
+
+
+def dilated_rate(bandwidth: str, factor: float) -> str:
+    """``bandwidth`` (tc rate) times ``factor``, as a tc rate in kbit (at least 8 kbit)."""
+    return f"{max(8, int(round(_bw_mbit(bandwidth) * 1e3 * factor)))}kbit"
+
+
+def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optional[str] = None,
+             dilation: Optional[float] = None) -> dict:
+    """One cell: an emulated cluster of ``hosts`` hosts at ``bandwidth``, one train run across it.
+
+    ``dilation``: the factor of :func:`dilation_factor`; the link then runs at
+    ``dilated_rate(bandwidth, dilation)`` and the cell also reports ``step_time_dilated_s`` =
+    the measured mean step times the factor (the step on the emulated machine's clock)."""
     em = _emulated()
     py = python or sys.executable
     prefix = "hgb" + uuid.uuid4().hex[:6]
@@ -283,9 +335,21 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
             "mpi_args": [*spec["mpi_args"], *method["mpi_args"]],
             "hosts": hosts, "bandwidth": bandwidth, "bandwidth_mbit": _bw_mbit(bandwidth),
             "prefix": prefix, "status": "failed", "error": None, "load_before": _load()}
+    link_rate = bandwidth
+    if spec.get("dilation", "none") != "none":
+        cell["dilation"] = {"mode": spec["dilation"], "factor": dilation}
+        if dilation is None:
+            cell["error"] = (f"dilation {spec['dilation']}: no factor (compute-only measurement of "
+                             f"{method['name']} missing or failed)")
+            cell["load_after"] = _load()
+            return cell
+        link_rate = dilated_rate(bandwidth, dilation)
+        cell["dilation"]["emulated_rate"] = link_rate
+        if spec["dilation"] == "gpu":
+            cell["dilation"]["gpu_source"] = spec["gpu_source"]
     t0 = time.perf_counter()
     try:
-        with em.EmulatedCluster(hosts, bandwidth=bandwidth, prefix=prefix) as c:
+        with em.EmulatedCluster(hosts, bandwidth=link_rate, prefix=prefix) as c:
             before = c.counters()
             p = c.mpirun([*cell["mpi_args"], "-np", str(hosts),
                           *_train_args(py, method, spec, spec["runs_dir"], run_id)],
@@ -313,6 +377,8 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
         cell["iface_tx_bytes_per_step_max_rank"] = max(tx) / steps
         hg = cell.get("bytes_sent_per_step_per_rank") or 0.0
         cell["iface_over_hgsgc"] = (cell["iface_tx_bytes_per_step_per_rank"] / hg) if hg else None
+        if dilation is not None and cell.get("mean_step_time_s") is not None:
+            cell["step_time_dilated_s"] = cell["mean_step_time_s"] * dilation
         cell["status"] = "ok"
     except subprocess.TimeoutExpired:
         cell["error"] = f"timeout after {spec['timeout_s']} s"
@@ -502,7 +568,8 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
     for h in spec["hosts"]:
         for bw in spec["bandwidths"]:
             for m in spec["methods"]:
-                cell = run_cell(m, int(h), str(bw), spec, python)
+                cell = run_cell(m, int(h), str(bw), spec, python,
+                                dilation=dilation_factor(spec, results, m["name"], int(h)))
                 results["cells"].append(cell)
                 log(_fmt_line(cell))
                 if on_cell is not None:

@@ -182,3 +182,28 @@ def test_runtime_defaults_can_be_turned_off():
     env = {"HGSGC_RUNTIME_DEFAULTS": "0"}
     assert runtime.apply_defaults(env) == {}
     assert env == {"HGSGC_RUNTIME_DEFAULTS": "0"}
+
+
+def test_dilation_factor_and_rate():
+    res = {"compute_only": {"m": {"status": "ok", "mean_step_time_s": 0.05}},
+           "compute_only_shared": {"m@4": {"status": "ok", "mean_step_time_s": 0.2}}}
+    spec = {"dilation": "cpu_share"}
+    assert bench.dilation_factor(spec, res, "m", 4) == pytest.approx(0.25)   # 4 hosts on 1/4 core each
+    assert bench.dilation_factor(spec, res, "m", 1) == 1.0
+    assert bench.dilation_factor(spec, res, "m", 8) is None                   # not measured: no factor
+    gpu = {"dilation": "gpu", "gpu_step_ms": {"m": 2.0}, "gpu_source": "x"}
+    assert bench.dilation_factor(gpu, res, "m", 4) == pytest.approx(0.04)     # 2 ms GPU vs 50 ms CPU
+    assert bench.dilation_factor({"dilation": "none"}, res, "m", 4) is None
+    assert bench.dilated_rate("100mbit", 0.25) == "25000kbit"
+    assert bench.dilated_rate("10mbit", 0.04) == "400kbit"
+
+
+@pytest.mark.parametrize("extra,needle", [({"dilation": "warp"}, "'dilation' must be one of"),
+                                          ({"dilation": "cpu_share", "compute_only_shared": False},
+                                           "cpu_share needs"),
+                                          ({"dilation": "gpu", "gpu_step_ms": {"a": 1}}, "gpu_source")])
+def test_dilation_spec_errors(extra, needle):
+    spec = {"name": "d", "methods": [{"name": "a", "config": os.path.join(ROOT, "configs", "fashion_mnist.yaml")}],
+            **extra}
+    with pytest.raises(bench.SpecError, match=needle):
+        bench.load_spec(spec)

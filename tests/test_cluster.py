@@ -18,8 +18,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_DIR = os.path.join(ROOT, "scripts", "cluster")
-sys.path.insert(0, CLUSTER_DIR)
-from emulated import CLUSTER_SH, ClusterError, EmulatedCluster, cluster_sh  # noqa: E402
+sys.path.insert(0, ROOT)
+from hgsgc.cluster import CLUSTER_SH, ClusterError, EmulatedCluster, cluster_sh  # noqa: E402
 
 BENCH_NET = ipaddress.ip_network("198.18.0.0/15")
 

@@ -158,6 +158,7 @@ def main(argv=None):
     ap.add_argument("--phases", default="compute_no_hvd,compute_hvd_idle,compression,allgather_hvd,"
                     "allgather_mpi,step")
     ap.add_argument("--label", default="")
+    ap.add_argument("--bandwidth", default="100mbit", help="the cluster's link rate (recorded only)")
     ap.add_argument("--defaults", action="store_true",
                     help="apply hgsgc.runtime.apply_defaults() before hvd.init()")
     ap.add_argument("--out", help="also write the JSON here (rank 0)")
@@ -212,7 +213,7 @@ def main(argv=None):
     n, rank = hvd.size(), hvd.rank()
     barrier = comm.Barrier
     import hgsgc
-    from hgsgc.compression import codec, quantize  # noqa: F401
+    from hgsgc.compression import codec
     from hgsgc.compression.sparsify import exact_topk, num_selected
 
     if args.method in ("sgc", "topk"):
@@ -232,7 +233,7 @@ def main(argv=None):
     res.update({"world_size": n, "method": args.method, "delay": args.delay, "density": args.density,
                 "compression": comp.to_dict() if hasattr(comp, "to_dict") else str(comp),
                 "payload_bytes": P, "model": args.model, "batch": args.batch, "pin": args.pin,
-                "tf_threads": args.threads, "label": args.label,
+                "tf_threads": args.threads, "label": args.label, "bandwidth": args.bandwidth,
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("HOROVOD_", "OMPI_MCA_", "HGSGC_"))},
                 "hvd_threads": len(threads.hvd), "runtime_defaults_applied": applied})
