@@ -371,16 +371,17 @@ def time_to_target(steps: Optional[int], step_s: float, evals: int = 0, eval_s: 
 
 # ------------------------------------------------------------------------------------------
 # Measured inputs and `hgsgc plan`
-def _timed_median(fn, reps: int, warmup: int = 2) -> float:
+def _timed_median(fn, reps: int, warmup: int = 2, clock=None) -> float:
     import time
 
+    clock = clock or time.perf_counter
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     ts.sort()
     return ts[len(ts) // 2]
 
@@ -402,9 +403,12 @@ def _random_batch(model, batch_size: int, seed: int = 0):
     return x, y
 
 
-def measure_compute_s(model, batch_size: int, reps: int = 10) -> float:
+def measure_compute_s(model, batch_size: int, reps: int = 10, clock=None) -> float:
     """Median seconds of one forward + backward + SGD update of ``model`` on a random batch of
-    ``batch_size`` (one process, no communication): the compute term of :func:`predict_step`."""
+    ``batch_size`` (one process, no communication): the compute term of :func:`predict_step`.
+    ``clock``: default wall time (``time.perf_counter``); ``time.process_time`` measures the
+    process's CPU time instead (with one TensorFlow thread: the step on a dedicated core, whatever
+    else loads the machine)."""
     import tensorflow as tf
 
     x, y = _random_batch(model, batch_size)
@@ -419,10 +423,10 @@ def measure_compute_s(model, batch_size: int, reps: int = 10) -> float:
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    return _timed_median(lambda: step().numpy(), reps)
+    return _timed_median(lambda: step().numpy(), reps, clock=clock)
 
 
-def measure_compression_s(compression, shapes, reps: int = 5) -> dict:
+def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dict:
     """Measured compression cost of one exchange of float32 tensors of ``shapes``.
 
     Returns ``{"base_s", "per_payload_s"}``: ``base_s`` = the exchange in a process set of one rank
@@ -431,7 +435,8 @@ def measure_compression_s(compression, shapes, reps: int = 5) -> dict:
     PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). The cost of
     an exchange among ``k`` ranks is ``base_s + (k - 1) per_payload_s`` (allgather) or
     ``base_s + rounds * per_payload_s`` (tree / node: one merge per round).
-    Needs ``hvd.init()`` (it is called if needed; one process is a world of size 1).
+    Needs ``hvd.init()`` (it is called if needed; one process is a world of size 1). ``clock``:
+    as in :func:`measure_compute_s`.
     """
     import horovod.tensorflow as hvd
     import numpy as np
@@ -454,7 +459,7 @@ def measure_compression_s(compression, shapes, reps: int = 5) -> dict:
     def once():
         return tf.add_n([tf.reduce_sum(t) for t in ex.exchange(tensors, names)])
 
-    base = _timed_median(lambda: once().numpy(), reps)
+    base = _timed_median(lambda: once().numpy(), reps, clock=clock)
     per = 0.0
     if isinstance(comp, SparseCompression):
         from hgsgc.compression import codec
@@ -475,7 +480,7 @@ def measure_compression_s(compression, shapes, reps: int = 5) -> dict:
                 out.append(tf.reduce_sum(tf.scatter_nd(i[:, None], v, [numel])))
             return tf.add_n(out)
 
-        per = _timed_median(lambda: decode_one().numpy(), reps)
+        per = _timed_median(lambda: decode_one().numpy(), reps, clock=clock)
     return {"base_s": base, "per_payload_s": per}
 
 
