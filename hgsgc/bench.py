@@ -18,6 +18,7 @@ Spec::
     timeout_s: 900                        # per cell
     compute_only: true
     dilation: none                        # none | cpu_share | gpu (see dilation_factor)
+    pin: false                            # true: each rank on core (rank % cores), train.threads=1
     methods:
       - name: horovod_dense               # a label
         config: configs/fashion_mnist_dense.yaml
@@ -73,7 +74,7 @@ def _emulated():
 
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
-             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source")
+             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "pin")
 DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -162,6 +163,9 @@ def load_spec(path_or_dict) -> dict:
                             f"(paths are relative to the directory you run hgsgc bench from)")
         names.add(m["name"])
     spec.setdefault("dilation", "none")
+    spec.setdefault("pin", False)
+    if not isinstance(spec["pin"], bool):
+        raise SpecError(f"spec: 'pin' must be true or false, got {spec['pin']!r}")
     if spec["dilation"] not in DILATIONS:
         raise SpecError(f"spec: 'dilation' must be one of {', '.join(DILATIONS)}, got {spec['dilation']!r}")
     if spec["dilation"] == "cpu_share" and not (spec["compute_only"] and spec["compute_only_shared"]):
@@ -279,8 +283,17 @@ def _error_of(stdout: str, stderr: str, rc) -> str:
 
 
 def _train_args(python: str, method: dict, spec: dict, run_dir_root: str, run_id: str) -> List[str]:
+    pin = ["train.threads=1"] if spec.get("pin") else []
     return [python, "-m", "hgsgc.cli", "train", method["config"], *spec["overrides"], *method["overrides"],
-            f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
+            *pin, f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
+
+
+def _cell_env(spec: dict) -> Optional[dict]:
+    """The environment of a cell's mpirun: with ``pin``, ``HGSGC_PIN_CORES=1`` (forwarded to the
+    ranks by cluster.sh, which pin themselves to core rank % cores: hgsgc.runtime.pin_to_core)."""
+    if not spec.get("pin"):
+        return None
+    return dict(os.environ, HGSGC_PIN_CORES="1")
 
 
 def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optional[float]:
@@ -334,7 +347,8 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
             "overrides": [*spec["overrides"], *method["overrides"]],
             "mpi_args": [*spec["mpi_args"], *method["mpi_args"]],
             "hosts": hosts, "bandwidth": bandwidth, "bandwidth_mbit": _bw_mbit(bandwidth),
-            "prefix": prefix, "status": "failed", "error": None, "load_before": _load()}
+            "prefix": prefix, "status": "failed", "error": None, "load_before": _load(),
+            "pinned": bool(spec.get("pin"))}
     link_rate = bandwidth
     if spec.get("dilation", "none") != "none":
         cell["dilation"] = {"mode": spec["dilation"], "factor": dilation}
@@ -353,7 +367,7 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
             before = c.counters()
             p = c.mpirun([*cell["mpi_args"], "-np", str(hosts),
                           *_train_args(py, method, spec, spec["runs_dir"], run_id)],
-                         check=False, timeout=spec["timeout_s"])
+                         check=False, timeout=spec["timeout_s"], env=_cell_env(spec))
             after = c.counters()
             per_host = c.delta(before, after)
         cell["launch_time_s"] = time.perf_counter() - t0

@@ -119,9 +119,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     # Horovod / Open MPI settings hgsgc chooses (docs/benchmarks/step_profile.md); only where the
     # environment has none, and before anything initialises MPI
-    from hgsgc.runtime import apply_defaults
+    from hgsgc.runtime import apply_defaults, pin_to_core
 
     apply_defaults()
+    pin_to_core()  # HGSGC_PIN_CORES=1 only (benchmark cells)
     return args.func(args)
 
 

@@ -61,3 +61,32 @@ def apply_defaults(environ: Optional[MutableMapping[str, str]] = None) -> Dict[s
             env[k] = v
             done[k] = v
     return done
+
+
+def world_rank(environ: Optional[MutableMapping[str, str]] = None) -> int:
+    """This process's MPI rank from the launcher's environment (Open MPI, PMI, PMIx, Slurm); 0."""
+    env = os.environ if environ is None else environ
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        try:
+            return int(env[var])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
+def pin_to_core(environ: Optional[MutableMapping[str, str]] = None) -> Optional[int]:
+    """With ``HGSGC_PIN_CORES=1``: pin this process to core ``rank % cores`` (of the cores it may
+    use) and return that core; otherwise None.
+
+    For the "clean" benchmark cells (issue 10): each emulated host's rank on a core of its own, as
+    ``taskset -c`` would do. Call it before TensorFlow, Horovod or MPI start threads (they inherit
+    the mask); ``hgsgc`` commands call it right after :func:`apply_defaults`. Pair it with
+    ``train.threads=1``.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HGSGC_PIN_CORES", "0") != "1" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[world_rank(env) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core

@@ -207,3 +207,16 @@ def test_dilation_spec_errors(extra, needle):
             **extra}
     with pytest.raises(bench.SpecError, match=needle):
         bench.load_spec(spec)
+
+
+def test_pin_to_core_picks_rank_modulo_cores():
+    from hgsgc import runtime
+
+    assert runtime.pin_to_core({"OMPI_COMM_WORLD_RANK": "3"}) is None  # off unless asked
+    saved = os.sched_getaffinity(0)
+    try:
+        core = runtime.pin_to_core({"HGSGC_PIN_CORES": "1", "OMPI_COMM_WORLD_RANK": "3"})
+        assert core == sorted(saved)[3 % len(saved)]
+        assert os.sched_getaffinity(0) == {core}
+    finally:
+        os.sched_setaffinity(0, saved)
