@@ -242,3 +242,20 @@ def test_sparsity_warmup_shorter_than_delay_is_refused():
     for dens in set(stage):
         steps = [s + 1 for s, x in enumerate(stage) if x == dens]  # local step after the step
         assert any(s % 4 == 0 for s in steps), (dens, steps)
+
+
+def test_timed_checkpoint_flag_follows_rank0_clock(monkeypatch):
+    """checkpoint.every_minutes: rank 0's clock raises the flag once per period (fake clock)."""
+    from hgsgc import faults
+
+    now = [1000.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
+    ag = faults.StepAgreement(None, every_minutes=2.0, install=False)
+    assert ag.after_step() == (None, False)
+    now[0] += 119.0
+    assert ag.after_step() == (None, False)
+    now[0] += 1.0
+    assert ag.after_step() == (None, True)   # 120 s after the start
+    assert ag.after_step() == (None, False)  # the period restarts
+    now[0] += 120.0
+    assert ag.after_step() == (None, True)
