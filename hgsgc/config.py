@@ -100,7 +100,7 @@ class CheckpointConfig:
 @dataclass
 class FaultConfig:
     """Reaction to faults (docs/reliability.md)."""
-    nonfinite: str = "skip"  # NaN/Inf gradient on any rank: skip the step on every rank | raise
+    nonfinite: str = "skip"  # NaN/Inf gradient on any rank: skip the step on every rank | raise | off
     stall_timeout_s: float = 0.0  # > 0: end the job when a rank issues no collective this long
 
 
@@ -239,8 +239,9 @@ def validate(cfg: Config) -> None:
         bad("checkpoint.keep", k.keep, "must be >= 1 (complete checkpoints kept)")
     if not k.resume:
         bad("checkpoint.resume", k.resume, "use auto, never or a checkpoint folder")
-    if cfg.faults.nonfinite not in ("skip", "raise"):
-        bad("faults.nonfinite", cfg.faults.nonfinite, "use skip (skip the step on every rank) or raise")
+    if cfg.faults.nonfinite not in ("skip", "raise", "off"):
+        bad("faults.nonfinite", cfg.faults.nonfinite, "use skip (skip the step on every rank), raise "
+                                                      "or off (no check, no extra allreduce)")
     if not (math.isfinite(cfg.faults.stall_timeout_s) and cfg.faults.stall_timeout_s >= 0):
         bad("faults.stall_timeout_s", cfg.faults.stall_timeout_s, "must be >= 0 seconds (0 = off)")
     if c.warmup_steps and c.delay > 1 and c.warmup_steps // 4 < c.delay:
