@@ -27,7 +27,7 @@ class TFBuildExt(build_ext):
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         cmd = (
-            [os.environ.get("CXX", "g++"), "-std=c++17", "-shared", "-fPIC", "-O2", "-Wall"]
+            [os.environ.get("CXX", "g++"), "-std=c++17", "-shared", "-fPIC", "-O2", "-Wall", "-ffp-contract=off"]
             + ext.sources
             + ["-o", out]
             + tf.sysconfig.get_compile_flags()
@@ -43,7 +43,8 @@ setup(
     description="Hourglass layout and Sparse Gradient Compression for Horovod/TensorFlow training on MPI clusters",
     packages=find_packages(include=["hgsgc", "hgsgc.*"]),
     python_requires=">=3.9,<3.12",
-    ext_modules=[Extension("hgsgc._ops", sources=sorted(glob.glob("ops/*.cc")))],
+    ext_modules=[Extension("hgsgc._ops", sources=sorted(glob.glob("ops/*.cc")),
+                           depends=sorted(glob.glob("ops/*.h")))],
     cmdclass={"build_ext": TFBuildExt},
     install_requires=["numpy<2", "mpi4py", "omegaconf>=2.3", "pyyaml", "tqdm", "matplotlib"],
     entry_points={"console_scripts": ["hgsgc=hgsgc.cli:main"]},

@@ -1,5 +1,17 @@
-"""Bit packing of unsigned integers of arbitrary width (1..32 bits) for the wire codec.
+"""hgsgc's custom TensorFlow kernels and their pure-TensorFlow references.
 
+Two groups of ops, each with a C++ kernel (``hgsgc/_ops*.so``, built from ``ops/*.cc``) and a
+pure-TensorFlow reference that gives the same result bit for bit:
+
+* bit packing (this docstring, below): :func:`pack_bits` / :func:`unpack_bits`;
+* fused sparse compression (``ops/sparse_codec.cc``): :func:`topk_select`, :func:`sparse_encode`,
+  :func:`compress` (compensate + select + encode + residual update in one pass) and
+  :func:`decode_accumulate` (decode + dequantize + rank-order sum of all n gathered payloads);
+  references :func:`topk_select_reference`, :func:`sparse_encode_reference`,
+  :func:`compress_reference`, :func:`decode_accumulate_reference` (today's path:
+  ``hgsgc.compression.sparsify`` + ``codec`` + ``tf.scatter_nd`` / ``tf.add_n``).
+
+Bit packing of unsigned integers of arbitrary width (1..32 bits) for the wire codec.
 Two implementations with the same bit layout, bit for bit:
 
 * ``"custom"``: the C++ kernels ``HgsgcPackBits`` / ``HgsgcUnpackBits`` from ``ops/pack_bits.cc``,
@@ -26,6 +38,7 @@ import glob
 import importlib.machinery
 import os
 import threading
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +55,14 @@ __all__ = [
     "set_backend",
     "unpack_bits",
     "unpack_bits_reference",
+    "topk_select",
+    "topk_select_reference",
+    "sparse_encode",
+    "sparse_encode_reference",
+    "compress",
+    "compress_reference",
+    "decode_accumulate",
+    "decode_accumulate_reference",
 ]
 
 MIN_WIDTH = 1
@@ -141,10 +162,20 @@ def get_backend():
     return _backend
 
 
+_WARNED = False
+
+
 def _resolve(backend):
+    global _WARNED
     name = _check_backend(_backend if backend is None else backend)
     if name == "auto":
-        return "custom" if available() else "reference"
+        if available():
+            return "custom"
+        if not _WARNED:  # once per process: the reference path is correct, only slower
+            _WARNED = True
+            warnings.warn(f"{_LOAD_ERROR}; hgsgc uses the pure-TensorFlow reference ops instead "
+                          "(same results, slower)", RuntimeWarning, stacklevel=3)
+        return "reference"
     return name
 
 
@@ -450,3 +481,266 @@ def unpack_bits_reference(packed, width, count, name=None):
             shifts = tf.constant(np.arange(width, dtype=np.uint32))
             words = tf.reduce_sum(tf.bitwise.left_shift(rows, shifts), axis=1)  # [count] uint32
             return tf.bitcast(words, tf.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused sparse-compression kernels (ops/sparse_codec.cc) and their references.
+#
+# Contract (bit for bit, tested in tests/test_kernels.py): the custom kernels return exactly what
+# the reference functions below return, which are hgsgc's compression path as the communicator
+# runs it. Devices: the kernels are registered per device (REGISTER_KERNEL_BUILDER in
+# ops/sparse_codec.cc); only CPU kernels exist, and a GPU kernel can be registered under the same
+# op names without changing these wrappers (see the comment at the top of ops/sparse_codec.cc).
+
+DEFAULT_SAMPLE_SIZE = 1024
+DEFAULT_MARGIN = 1.5
+
+
+def _float_vector(x, what):
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.float32:
+        raise TypeError(f"{what} must be float32, got {x.dtype.name}; cast it with tf.cast({what}, tf.float32)")
+    if x.shape.rank != 1 or x.shape[0] is None:
+        raise ValueError(f"{what} must be 1-D with a static length, got shape {x.shape}; "
+                         f"flatten it with tf.reshape({what}, [-1])")
+    return x
+
+
+def _check_k(k, numel):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= numel:
+        raise ValueError(f"k must be a Python int in [0, numel={numel}], got {k!r}")
+    return int(k)
+
+
+def _check_bits(bits):
+    if bits not in (2, 32):
+        raise ValueError(f"bits must be 2 or 32, got {bits!r}")
+    return int(bits)
+
+
+def _check_select_args(sample_size, margin):
+    if isinstance(sample_size, bool) or not isinstance(sample_size, (int, np.integer)) or sample_size < 1:
+        raise ValueError(f"sample_size must be a Python int >= 1, got {sample_size!r}")
+    if not float(margin) >= 1.0:
+        raise ValueError(f"margin must be >= 1, got {margin!r}")
+    return int(sample_size), float(margin)
+
+
+def _seed64(seed):
+    """int64 scalar seed for the kernels (None: a fixed seed; an int32 [2] pair is combined)."""
+    if seed is None:
+        return tf.constant(7 * 2**32 + 11, tf.int64)
+    t = tf.cast(tf.convert_to_tensor(seed), tf.int64)
+    if t.shape.rank == 1:
+        return t[0] * (2**32) + t[1]
+    return t
+
+
+def _seed_pair(seed):
+    """int32 [2] seed for the reference's tf.random.stateless_uniform (None: its default)."""
+    if seed is None:
+        return None
+    t = tf.convert_to_tensor(seed)
+    if t.shape.rank == 1:
+        return tf.cast(t, tf.int32)
+    t = tf.cast(t, tf.int64)
+    return tf.stack([tf.cast(t % (2**30), tf.int32), tf.constant(1013, tf.int32)])
+
+
+def topk_select(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, seed=None,
+                backend=None):
+    """Exact top-k by magnitude of a float32 vector, found through a sampled threshold.
+
+    Deep Gradient Compression's selection (Lin et al., ICLR 2018, Sec. 3): estimate the
+    threshold on ``min(numel, sample_size)`` sampled magnitudes, keep the candidates above it in
+    one pass, take the exact top-k of the candidates (exact fallback when too few pass). The
+    result equals ``hgsgc.compression.sparsify.exact_topk`` (largest ``|x|``, ties to the lower
+    index, subnormals compared as 0 like TF's CPU kernels); the seed changes only the speed.
+
+    Args:
+        x: float32 ``[numel]`` (static length). k: Python int in ``[0, numel]``.
+        sample_size: entries sampled for the estimate; margin: over-selection factor (>= 1).
+        seed: integer scalar (or int32 ``[2]``) tensor or int; None: a fixed seed.
+        backend: ``"custom"``, ``"reference"``, ``"auto"`` or None (module setting).
+
+    Returns:
+        ``(indices int32 [k] ascending, values float32 [k] = x[indices])``.
+
+    Raises:
+        ValueError / TypeError: bad ``x``, ``k``, ``sample_size`` or ``margin``.
+        RuntimeError: ``backend="custom"`` and the library is unavailable.
+    """
+    x = _float_vector(x, "x")
+    k = _check_k(k, int(x.shape[0]))
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if _resolve(backend) == "reference":
+        return topk_select_reference(x, k, sample_size, margin, seed)
+    return load().hgsgc_topk_select(x, _seed64(seed), k=k, sample_size=sample_size, margin=margin)
+
+
+def topk_select_reference(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, seed=None):
+    """Reference of :func:`topk_select`: ``sparsify.sampled_threshold_topk`` (same arguments)."""
+    from hgsgc.compression.sparsify import sampled_threshold_topk
+
+    x = _float_vector(x, "x")
+    return sampled_threshold_topk(x, _check_k(k, int(x.shape[0])), sample_size=sample_size,
+                                  margin=margin, seed=_seed_pair(seed))
+
+
+def sparse_encode(indices, values, numel, bits, backend=None):
+    """Fused 2-bit quantization + bit packing of selected entries into the wire payload.
+
+    Same payload as ``hgsgc.compression.codec.encode`` byte for byte (layout in its module
+    docstring: ``[lo, hi] f32 | indices w bits | codes 2 bits`` for ``bits=2``, ``indices |
+    values f32`` for ``bits=32``, ``w = codec.index_width(numel)``).
+
+    Args:
+        indices: int32 ``[k]`` strictly ascending in ``[0, numel)``; values: float32 ``[k]``.
+        numel: entries of the dense tensor (Python int); bits: 2 or 32.
+        backend: see :func:`topk_select`.
+
+    Returns:
+        ``(payload uint8 [codec.payload_length(numel, k, bits)], sent float32 [k])``; ``sent`` is
+        what a receiver decodes (the quantized values for ``bits=2``).
+
+    Raises:
+        tf.errors.InvalidArgumentError (custom): indices not strictly ascending or out of range.
+        ValueError / TypeError: bad shapes, dtypes or ``bits``.
+    """
+    bits = _check_bits(bits)
+    values = _float_vector(values, "values")
+    indices = tf.convert_to_tensor(indices, tf.int32)
+    if indices.shape.rank != 1 or indices.shape[0] != values.shape[0]:
+        raise ValueError(f"indices {indices.shape} and values {values.shape} must be 1-D of the same length")
+    _check_k(int(values.shape[0]), int(numel))
+    if _resolve(backend) == "reference":
+        return sparse_encode_reference(indices, values, numel, bits)
+    return load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits)
+
+
+def sparse_encode_reference(indices, values, numel, bits):
+    """Reference of :func:`sparse_encode`: ``hgsgc.compression.codec.encode``."""
+    from hgsgc.compression import codec
+
+    return codec.encode(tf.convert_to_tensor(indices, tf.int32),
+                        tf.convert_to_tensor(values, tf.float32), int(numel), _check_bits(bits))
+
+
+def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
+             seed=None, backend=None):
+    """One rank's sparse compression of one tensor, fused into one pass over its entries.
+
+    With error feedback (Seide et al. 2014; Lin et al. 2018): ``a = grad + residual``
+    (compensate), ``(idx, v) = top-k(a)`` (:func:`topk_select`), ``payload, sent =
+    encode(idx, v)`` (:func:`sparse_encode`), ``new_residual = a - scatter(idx, sent)``. The
+    kernel computes ``a`` and collects the top-k candidates in the same pass and writes
+    ``new_residual`` in place of ``a`` (it may reuse ``grad``'s buffer): the only dense memory is
+    the new residual, one float32 copy of the tensor.
+
+    Args:
+        grad: float32 ``[numel]``; residual: float32 ``[numel]`` or None (no error feedback).
+        k: Python int in ``[0, numel]``; bits: 2 or 32; sample_size, margin, seed: as
+        :func:`topk_select`; backend: see :func:`topk_select`.
+
+    Returns:
+        ``(payload uint8 [codec.payload_length(numel, k, bits)], new_residual float32 [numel]
+        or None when residual is None)``.
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+    """
+    grad = _float_vector(grad, "grad")
+    numel = int(grad.shape[0])
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if residual is not None:
+        residual = _float_vector(residual, "residual")
+        if int(residual.shape[0]) != numel:
+            raise ValueError(f"residual has {residual.shape[0]} entries but grad has {numel}")
+    if _resolve(backend) == "reference":
+        return compress_reference(grad, residual, k, bits, sample_size, margin, seed)
+    res = residual if residual is not None else tf.zeros([0], tf.float32)
+    payload, new_res = load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
+                                             sample_size=sample_size, margin=margin)
+    return payload, (new_res if residual is not None else None)
+
+
+def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,
+                       margin=DEFAULT_MARGIN, seed=None):
+    """Reference of :func:`compress`: the communicator's path (``ResidualMemory.compensate``,
+    ``sampled_threshold_topk``, ``codec.encode``, ``a - tf.scatter_nd(idx, sent)``)."""
+    from hgsgc.compression import codec
+    from hgsgc.compression.sparsify import sampled_threshold_topk
+
+    grad = _float_vector(grad, "grad")
+    numel = int(grad.shape[0])
+    a = grad + residual if residual is not None else grad
+    idx, vals = sampled_threshold_topk(a, k, sample_size=sample_size, margin=margin,
+                                       seed=_seed_pair(seed))
+    payload, sent = codec.encode(idx, vals, numel, bits)
+    if residual is None:
+        return payload, None
+    return payload, a - tf.scatter_nd(idx[:, None], sent, [numel])
+
+
+def _check_gathered(gathered, numel, k, bits, offset):
+    from hgsgc.compression import codec
+
+    gathered = tf.convert_to_tensor(gathered)
+    if gathered.dtype != tf.uint8 or gathered.shape.rank != 2 or gathered.shape[0] is None:
+        raise ValueError(f"gathered must be uint8 [n, P] with a static n (one row per rank), got "
+                         f"{gathered.dtype.name} {gathered.shape}; reshape the allgather output to [n, P]")
+    numel = int(numel)
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"offset must be a Python int >= 0, got {offset!r}")
+    p = codec.payload_length(numel, k, bits)
+    if gathered.shape[1] is not None and int(gathered.shape[1]) < int(offset) + p:
+        raise ValueError(f"rows of {gathered.shape[1]} bytes cannot hold a payload of {p} bytes "
+                         f"at offset {offset}")
+    return gathered, numel, k, bits, int(offset), p
+
+
+def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
+    """Decode, dequantize and sum every rank's payload of one tensor, in rank order.
+
+    ``sum = dense(payload_0) + dense(payload_1) + ... + dense(payload_{n-1})`` (float32, added
+    left to right like the communicator's ``tf.add_n``; ``n == 1``: the scattered payload). The
+    kernel reads each payload once and adds it straight into the output: no per-rank dense
+    tensor. Divide by ``n`` for the average.
+
+    Args:
+        gathered: uint8 ``[n, P]``, row r = rank r's allgathered buffer; this tensor's payload
+            (``codec.payload_length(numel, k, bits)`` bytes) starts at byte ``offset`` of every row.
+        numel, k, bits: the tensor's entries, entries sent per rank, 2 or 32 (Python ints).
+        offset: byte offset of the payload in each row. backend: see :func:`topk_select`.
+
+    Returns:
+        float32 ``[numel]``.
+
+    Raises:
+        tf.errors.InvalidArgumentError (custom): a payload whose indices are not strictly
+            ascending or reach ``numel`` (encode never produces one).
+        ValueError: bad shapes, ``k``, ``bits`` or ``offset``.
+    """
+    gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset)
+    if _resolve(backend) == "reference":
+        return decode_accumulate_reference(gathered, numel, k, bits, offset)
+    return load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset)
+
+
+def decode_accumulate_reference(gathered, numel, k, bits, offset=0):
+    """Reference of :func:`decode_accumulate`: ``codec.decode`` + ``tf.scatter_nd`` per rank, then
+    ``tf.add_n`` in rank order (the communicator's allgather path)."""
+    from hgsgc.compression import codec
+
+    gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset)
+    dense = []
+    for r in range(int(gathered.shape[0])):
+        idx, vals = codec.decode(gathered[r, offset:offset + p], numel, k, bits)
+        dense.append(tf.scatter_nd(idx[:, None], vals, [numel]))
+    if not dense:
+        return tf.zeros([numel], tf.float32)
+    return tf.add_n(dense) if len(dense) > 1 else dense[0]

@@ -1,0 +1,914 @@
+// Fused sparse-compression kernels for hgsgc (CPU): top-k selection by a sampled threshold, the
+// 2-bit / fp32 wire encoding, compensate + select + encode + residual update in one pass over the
+// gradient, and decode + dequantize + accumulate of all n gathered payloads into one dense sum.
+//
+// Ops (attributes in brackets; shapes as in hgsgc/ops.py):
+//   HgsgcTopkSelect(x: float [numel], seed: int64 scalar) [k, sample_size, margin]
+//       -> indices: int32 [k] ascending, values: float [k] = x[indices]
+//   HgsgcSparseEncode(indices: int32 [k], values: float [k]) [numel, bits]
+//       -> payload: uint8 [payload_length(numel, k, bits)], sent: float [k]
+//   HgsgcCompress(grad: float [numel], residual: float [numel] or [0], seed: int64 scalar)
+//       [k, bits, sample_size, margin]
+//       -> payload: uint8 [payload_length], new_residual: float [numel] (or [0] without residual)
+//   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset]
+//       -> sum: float [numel] = sum over ranks r = 0..n-1, in rank order, of the dense tensor
+//          decoded from gathered[r, offset : offset + payload_length]
+//
+// Bit-identity contract with the pure-TensorFlow reference (hgsgc/ops.py *_reference, i.e.
+// hgsgc.compression.sparsify / codec and the communicator's rank-order add_n):
+// * Selection is exact top-k by magnitude with ties to the lower index (what tf.math.top_k does),
+//   returned in ascending index order. Magnitudes are compared as the integer bit patterns of |x|
+//   with subnormals mapped to 0, which is how TF's CPU kernels compare them (they run with
+//   flush-to-zero / denormals-are-zero on). NaN ranks above +inf (TF: unspecified).
+//   Algorithm (Deep Gradient Compression, Lin et al. 2018, Sec. 3): the threshold t is the
+//   ceil(margin * k * s / numel)-th largest of s sampled magnitudes; ONE pass over x collects the
+//   candidates |x| >= t (in index order, per chunk); the exact top-k among the candidates is an
+//   nth_element on the packed key (magnitude << 32 | ~index), and a walk over the candidates in
+//   index order keeps those >= the k-th key. Since every true top-k entry is >= the k-th largest
+//   magnitude, the result is exact whenever >= k candidates pass. When fewer pass (or far too many,
+//   which would cost memory), an exact radix select over the whole tensor finds the k-th key
+//   instead (two histogram passes + a count and a write pass; no extra O(numel) memory).
+// * Encoding reproduces codec.encode / quantize.quantize_2bit float operation by float operation
+//   (a = min|v|, b = max|v|, lo = a + (b - a) * 0.25, hi = a + (b - a) * 0.75, mid = (a + b) * 0.5)
+//   under the same flush-to-zero mode (tsl::port::ScopedFlushDenormal), without FMA contraction.
+// * The accumulate reproduces add_n's left-to-right float additions of the scattered dense
+//   tensors: out starts at +0 and every rank adds its values in rank order (adding the implicit
+//   +0 of untouched positions changes nothing, except -0 + +0 = +0, which is fixed up exactly: a
+//   position is -0 at the end iff every rank sent -0 there; n == 1 assigns like scatter_nd).
+//
+// Threads: every pass runs on TensorFlow's intra-op pool (ctx->device()->
+// tensorflow_cpu_worker_threads(), tensorflow::Shard) over contiguous chunks of the tensor; the
+// decode splits the OUTPUT range into chunks and finds each chunk's slice of every (ascending)
+// payload by binary search on the packed indices, so ranks are summed in order without atomics and
+// without a per-rank dense intermediate, and each payload byte is read once.
+//
+// Devices: each kernel is OpKernel<Device> calling a Functor<Device>; only the CPU functors exist.
+// A GPU implementation is added without changing callers (they use the op by name):
+//   1. in ops/sparse_codec.cu.cc define `template <> struct TopkSelectFunctor<GPUDevice> {...}` (and
+//      the other functors) with the same signature;
+//   2. register it here with
+//        REGISTER_KERNEL_BUILDER(Name("HgsgcTopkSelect").Device(DEVICE_GPU).HostMemory("seed"),
+//                                TopkSelectOp<GPUDevice>);
+//      (attributes, shapes and the op definition stay the same; TF places the op on the GPU when
+//      its inputs live there);
+//   3. compile the .cu.cc with nvcc in setup.py when CUDA TensorFlow is installed.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bitpack.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/denormal.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace hgsgc {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::TensorShapeUtils;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+namespace errors = ::tensorflow::errors;
+using CPUDevice = Eigen::ThreadPoolDevice;
+using namespace ::hgsgc::bitpack;  // NOLINT
+
+constexpr int kScaleBytes = 8;          // [lo, hi] float32 of the 2-bit scheme
+constexpr int64_t kChunk = 1 << 16;     // entries per work chunk of the dense passes
+constexpr int64_t kMaxChunks = 256;
+
+// ---------------------------------------------------------------------------------------------
+// Formulas shared with hgsgc/compression/codec.py.
+
+inline int IndexWidth(int64_t numel) {  // max(1, ceil(log2 numel))
+  int w = 0;
+  for (uint64_t v = static_cast<uint64_t>(numel > 0 ? numel - 1 : 0); v; v >>= 1) ++w;
+  return std::max(1, w);
+}
+
+inline int64_t PayloadLength(int64_t numel, int64_t k, int bits) {
+  if (k == 0) return 0;
+  const int64_t idx = PackedLength(k, IndexWidth(numel));
+  return bits == 2 ? kScaleBytes + idx + (k + 3) / 4 : idx + 4 * k;
+}
+
+Status CheckBits(const char* op, int bits) {
+  if (bits != 2 && bits != 32) return errors::InvalidArgument(op, ": bits must be 2 or 32, got ", bits);
+  return ::tensorflow::OkStatus();
+}
+
+// Magnitude key: bit pattern of |x| with subnormals as 0 (TF compares with DAZ on).
+inline uint32_t MagKey(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b &= 0x7FFFFFFFu;
+  return b < 0x00800000u ? 0u : b;
+}
+inline float KeyToFloat(uint32_t key) {
+  float f;
+  std::memcpy(&f, &key, 4);
+  return f;
+}
+inline uint32_t FloatBits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+// Candidate key: larger magnitude first, then lower index first (tf.math.top_k's tie rule).
+inline uint64_t PairKey(uint32_t key, int64_t i) {
+  return (static_cast<uint64_t>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threading.
+
+struct Pool {
+  int num_threads = 1;
+  ::tensorflow::thread::ThreadPool* workers = nullptr;
+  explicit Pool(OpKernelContext* ctx) {
+    const auto* t = ctx->device()->tensorflow_cpu_worker_threads();
+    if (t != nullptr && t->workers != nullptr) {
+      num_threads = t->num_threads;
+      workers = t->workers;
+    }
+  }
+  // Number of chunks for a pass over n entries (>= 1).
+  int64_t Chunks(int64_t n) const {
+    const int64_t by_size = (n + kChunk - 1) / kChunk;
+    return std::max<int64_t>(1, std::min<int64_t>({by_size, 4 * num_threads, kMaxChunks}));
+  }
+  // Runs fn(c) for c in [0, num) on the pool, with TF's flush-to-zero mode in every thread.
+  template <typename Fn>
+  void For(int64_t num, int64_t cost_per_unit, Fn&& fn) const {
+    auto work = [&fn](int64_t b, int64_t e) {
+      ::tensorflow::port::ScopedFlushDenormal flush;
+      for (int64_t c = b; c < e; ++c) fn(c);
+    };
+    if (workers == nullptr || num <= 1) {
+      work(0, num);
+      return;
+    }
+    ::tensorflow::Shard(num_threads, workers, num, cost_per_unit, work);
+  }
+};
+
+inline int64_t ChunkBegin(int64_t c, int64_t chunks, int64_t n) { return n * c / chunks; }
+
+// ---------------------------------------------------------------------------------------------
+// Selection.
+
+// The values being selected from: either x itself, or a = g + r written to `out` on the fly
+// (the fused compensate pass of HgsgcCompress).
+struct Source {
+  const float* g = nullptr;
+  const float* r = nullptr;  // nullptr: a = g
+  float* out = nullptr;      // where a = g + r is stored (required when r != nullptr)
+  float At(int64_t i) const { return r ? g[i] + r[i] : g[i]; }  // callers hold ScopedFlushDenormal
+  const float* Values() const { return r ? out : g; }           // valid after the first pass
+};
+
+// Exact radix select over all entries: the k-th largest PairKey (as key + index rule) among
+// `vals[0..n)`, and writes the ascending top-k indices to idx_out. 4 passes, no O(n) memory.
+void ExactSelect(const Pool& pool, const float* vals, int64_t n, int64_t k, int32_t* idx_out) {
+  const int64_t chunks = pool.Chunks(n);
+  constexpr int kHiBuckets = 1 << 15;  // keys < 2^31: bits 16..30
+  constexpr int kLoBuckets = 1 << 16;
+  std::vector<uint32_t> hist(static_cast<size_t>(chunks) * kHiBuckets, 0);
+  pool.For(chunks, kChunk * 4, [&](int64_t c) {
+    uint32_t* h = hist.data() + c * kHiBuckets;
+    for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i) ++h[MagKey(vals[i]) >> 16];
+  });
+  int64_t above = 0;  // entries with a larger high part
+  uint32_t hi = 0;
+  for (int b = kHiBuckets - 1; b >= 0; --b) {
+    int64_t cnt = 0;
+    for (int64_t c = 0; c < chunks; ++c) cnt += hist[c * kHiBuckets + b];
+    if (above + cnt >= k) {
+      hi = static_cast<uint32_t>(b);
+      break;
+    }
+    above += cnt;
+  }
+  std::vector<uint32_t> hist2(static_cast<size_t>(chunks) * kLoBuckets, 0);
+  pool.For(chunks, kChunk * 4, [&](int64_t c) {
+    uint32_t* h = hist2.data() + c * kLoBuckets;
+    for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i) {
+      const uint32_t key = MagKey(vals[i]);
+      if ((key >> 16) == hi) ++h[key & 0xFFFFu];
+    }
+  });
+  uint32_t thr = 0;
+  for (int b = kLoBuckets - 1; b >= 0; --b) {
+    int64_t cnt = 0;
+    for (int64_t c = 0; c < chunks; ++c) cnt += hist2[c * kLoBuckets + b];
+    if (above + cnt >= k) {
+      thr = (hi << 16) | static_cast<uint32_t>(b);
+      break;
+    }
+    above += cnt;
+  }
+  const int64_t need_eq = k - above;  // entries equal to thr that are taken (lowest indices)
+  std::vector<int64_t> gt(chunks, 0), eq(chunks, 0);
+  pool.For(chunks, kChunk * 2, [&](int64_t c) {
+    int64_t g = 0, q = 0;
+    for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i) {
+      const uint32_t key = MagKey(vals[i]);
+      g += key > thr;
+      q += key == thr;
+    }
+    gt[c] = g;
+    eq[c] = q;
+  });
+  std::vector<int64_t> out_off(chunks), eq_before(chunks);
+  int64_t o = 0, qb = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    eq_before[c] = qb;
+    out_off[c] = o;
+    const int64_t take_eq = std::max<int64_t>(0, std::min(eq[c], need_eq - qb));
+    o += gt[c] + take_eq;
+    qb += eq[c];
+  }
+  pool.For(chunks, kChunk * 2, [&](int64_t c) {
+    int32_t* dst = idx_out + out_off[c];
+    int64_t q = eq_before[c];
+    for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i) {
+      const uint32_t key = MagKey(vals[i]);
+      if (key > thr || (key == thr && q++ < need_eq)) *dst++ = static_cast<int32_t>(i);
+    }
+  });
+}
+
+inline uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Selects the exact top-k of src (see file comment) into idx_out [k] (ascending). If src.r is
+// set, also writes a = g + r to src.out for every entry (the fused compensate pass).
+// Returns the path taken: 0 sampled threshold, 1 exact fallback, 2 trivial (k == 0 or k == n).
+int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_t sample_size,
+               float margin, uint64_t seed, int32_t* idx_out) {
+  const int64_t chunks = pool.Chunks(n);
+  auto compensate_all = [&]() {
+    if (!src.r) return;
+    pool.For(chunks, kChunk * 3, [&](int64_t c) {
+      for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i)
+        src.out[i] = src.g[i] + src.r[i];
+    });
+  };
+  if (k == 0 || k == n) {
+    compensate_all();
+    for (int64_t i = 0; i < k; ++i) idx_out[i] = static_cast<int32_t>(i);
+    return 2;
+  }
+  // 1. Threshold estimate from a sample (all entries when numel <= sample_size).
+  uint32_t thr = 0;
+  int64_t cap;  // candidate budget; more means the estimate was useless: exact path instead
+  if (n > sample_size) {
+    ::tensorflow::port::ScopedFlushDenormal flush;
+    const int64_t s = sample_size;
+    std::vector<uint32_t> keys(s);
+    for (int64_t j = 0; j < s; ++j) {
+      const uint64_t h = SplitMix64(seed * 0x100000001B3ull + static_cast<uint64_t>(j));
+      keys[j] = MagKey(src.At(static_cast<int64_t>(h % static_cast<uint64_t>(n))));
+    }
+    const double want = std::ceil(static_cast<double>(margin) * k * s / n);
+    const int64_t kth = std::min<int64_t>(s, std::max<int64_t>(1, static_cast<int64_t>(want)));
+    std::nth_element(keys.begin(), keys.begin() + (kth - 1), keys.end(), std::greater<uint32_t>());
+    thr = keys[kth - 1];
+    cap = std::max<int64_t>(4 * k + 4096, static_cast<int64_t>(3.0 * margin * k));
+  } else {
+    cap = n;
+  }
+  // 2. One pass: (compensate and) collect candidates >= thr per chunk, in index order.
+  std::vector<std::vector<uint64_t>> cand(chunks);
+  std::atomic<int64_t> total{0};
+  std::atomic<bool> overflow{false};
+  pool.For(chunks, kChunk * 3, [&](int64_t c) {
+    const int64_t b = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n);
+    std::vector<uint64_t>& mine = cand[c];
+    const int64_t budget = std::min<int64_t>(e - b, cap);
+    mine.reserve(std::min<int64_t>(
+        budget, 256 + static_cast<int64_t>(2.0 * margin * static_cast<double>(k) * (e - b) / n)));
+    bool over = false;
+    auto visit = [&](int64_t i, float a) {
+      const uint32_t key = MagKey(a);
+      if (key >= thr && !over) {
+        mine.push_back(PairKey(key, i));
+        if ((mine.size() & 1023) == 0 && (total.fetch_add(1024) + 1024 > cap || overflow.load())) {
+          over = true;
+          overflow.store(true);
+        }
+      }
+    };
+    if (src.r) {
+      for (int64_t i = b; i < e; ++i) {
+        const float a = src.g[i] + src.r[i];
+        src.out[i] = a;
+        visit(i, a);
+      }
+    } else {
+      for (int64_t i = b; i < e; ++i) visit(i, src.g[i]);
+    }
+    if (over) {
+      std::vector<uint64_t>().swap(mine);
+    } else {
+      total.fetch_add(static_cast<int64_t>(mine.size() & 1023));
+    }
+  });
+  int64_t m = 0;
+  for (const auto& v : cand) m += static_cast<int64_t>(v.size());
+  if (overflow.load() || total.load() > cap || m < k) {
+    cand.clear();
+    ExactSelect(pool, src.Values(), n, k, idx_out);
+    return 1;
+  }
+  // 3. Exact top-k among the candidates: the k-th largest pair key, then a walk in index order.
+  std::vector<uint64_t> all;
+  all.reserve(m);
+  for (const auto& v : cand) all.insert(all.end(), v.begin(), v.end());
+  std::vector<uint64_t> tmp(all);
+  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<uint64_t>());
+  const uint64_t kth_key = tmp[k - 1];
+  std::vector<uint64_t>().swap(tmp);
+  int64_t o = 0;
+  for (uint64_t p : all)
+    if (p >= kth_key) idx_out[o++] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(p));
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding: payload (layout of codec.py) and the values a receiver decodes (`sent`).
+// vals_at(j) gives the j-th selected value (float).
+
+template <typename ValsAt>
+void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int bits,
+            ValsAt vals_at, uint8_t* payload, float* sent) {
+  if (k == 0) return;
+  ::tensorflow::port::ScopedFlushDenormal flush;
+  const int w = IndexWidth(numel);
+  const int64_t idx_bytes = PackedLength(k, w);
+  const int64_t blocks = (k + kBlock - 1) / kBlock;
+  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(blocks / 64, 4 * pool.num_threads));
+  auto block_range = [&](int64_t s, int64_t* first, int64_t* count) {
+    const int64_t b0 = blocks * s / shards, b1 = blocks * (s + 1) / shards;
+    *first = b0 * kBlock;
+    *count = std::min(b1 * kBlock, k) - *first;
+  };
+  uint8_t* idx_dst = payload + (bits == 2 ? kScaleBytes : 0);
+  const PackFn pack_idx = kPackFns[w - 1];
+  if (bits == 32) {
+    uint8_t* val_dst = payload + idx_bytes;
+    pool.For(shards, 64 * kBlock * 8, [&](int64_t s) {
+      int64_t first, count;
+      block_range(s, &first, &count);
+      if (count <= 0) return;
+      pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
+      for (int64_t j = first; j < first + count; ++j) {
+        const float v = vals_at(j);
+        sent[j] = v;
+        std::memcpy(val_dst + 4 * j, &v, 4);
+      }
+    });
+    return;
+  }
+  // bits == 2: scales from min / max of the (flushed) magnitudes, as quantize_2bit.
+  std::vector<float> lo_p(shards, std::numeric_limits<float>::infinity()), hi_p(shards, 0.0f);
+  pool.For(shards, 64 * kBlock * 4, [&](int64_t s) {
+    int64_t first, count;
+    block_range(s, &first, &count);
+    float a = std::numeric_limits<float>::infinity(), b = 0.0f;
+    for (int64_t j = first; j < first + count; ++j) {
+      const float mag = KeyToFloat(MagKey(vals_at(j)));
+      a = std::min(a, mag);
+      b = std::max(b, mag);
+    }
+    lo_p[s] = a;
+    hi_p[s] = b;
+  });
+  float a = std::numeric_limits<float>::infinity(), b = 0.0f;
+  for (int64_t s = 0; s < shards; ++s) {
+    a = std::min(a, lo_p[s]);
+    b = std::max(b, hi_p[s]);
+  }
+  volatile float d = b - a;  // volatile: keep the exact float op order of the reference
+  const float lo = a + d * 0.25f;
+  const float hi = a + d * 0.75f;
+  const float mid = (a + b) * 0.5f;
+  std::memcpy(payload, &lo, 4);
+  std::memcpy(payload + 4, &hi, 4);
+  uint8_t* code_dst = idx_dst + idx_bytes;
+  const PackFn pack_codes = kPackFns[1];
+  pool.For(shards, 64 * kBlock * 8, [&](int64_t s) {
+    int64_t first, count;
+    block_range(s, &first, &count);
+    if (count <= 0) return;
+    pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
+    uint32_t codes[kBlock];
+    for (int64_t j0 = first; j0 < first + count; j0 += kBlock) {
+      const int64_t nb = std::min<int64_t>(kBlock, first + count - j0);
+      for (int64_t t = 0; t < nb; ++t) {
+        const float v = vals_at(j0 + t);
+        const uint32_t key = MagKey(v);
+        const uint32_t upper = KeyToFloat(key) >= mid ? 1u : 0u;
+        const uint32_t neg = ((FloatBits(v) >> 31) != 0 && key != 0) ? 1u : 0u;  // v < 0 (DAZ)
+        codes[t] = 2 * neg + upper;
+        const float mag = upper ? hi : lo;
+        sent[j0 + t] = neg ? -mag : mag;
+      }
+      pack_codes(codes - j0, j0, nb, code_dst);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Functors (one per op and device; only CPU is implemented).
+
+template <typename Device>
+struct TopkSelectFunctor;
+template <typename Device>
+struct CompressFunctor;
+template <typename Device>
+struct SparseEncodeFunctor;
+template <typename Device>
+struct DecodeAccumulateFunctor;
+
+struct SelectAttrs {
+  int64_t k = 0;
+  int64_t sample_size = 1024;
+  float margin = 1.5f;
+};
+
+Status ReadSelectAttrs(OpKernelConstruction* ctx, SelectAttrs* a) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("k", &a->k));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("sample_size", &a->sample_size));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("margin", &a->margin));
+  if (a->k < 0) return errors::InvalidArgument("k must be >= 0, got ", a->k);
+  if (a->sample_size < 1) return errors::InvalidArgument("sample_size must be >= 1, got ", a->sample_size);
+  if (!(a->margin >= 1.0f)) return errors::InvalidArgument("margin must be >= 1, got ", a->margin);
+  return ::tensorflow::OkStatus();
+}
+
+Status CheckFloatVector(const char* op, const char* what, const Tensor& t) {
+  if (!TensorShapeUtils::IsVector(t.shape()))
+    return errors::InvalidArgument(op, ": ", what, " must be a 1-D float32 tensor, got shape ",
+                                   t.shape().DebugString(), " (flatten it with tf.reshape(x, [-1]))");
+  if (t.dim_size(0) >= (int64_t{1} << 31))
+    return errors::InvalidArgument(op, ": ", what, " has ", t.dim_size(0),
+                                   " entries; at most 2^31 - 1 are supported (int32 indices)");
+  return ::tensorflow::OkStatus();
+}
+
+uint64_t SeedOf(const Tensor& seed) { return static_cast<uint64_t>(seed.scalar<int64_t>()()); }
+
+template <>
+struct TopkSelectFunctor<CPUDevice> {
+  void operator()(OpKernelContext* ctx, const SelectAttrs& at, const Tensor& x, uint64_t seed,
+                  Tensor* indices, Tensor* values) {
+    const Pool pool(ctx);
+    const int64_t n = x.dim_size(0);
+    Source src;
+    src.g = x.flat<float>().data();
+    int32_t* idx = indices->flat<int32_t>().data();
+    SelectTopK(pool, src, n, at.k, at.sample_size, at.margin, seed, idx);
+    float* v = values->flat<float>().data();
+    for (int64_t j = 0; j < at.k; ++j) v[j] = src.g[idx[j]];
+  }
+};
+
+template <typename Device>
+class TopkSelectOp : public OpKernel {
+ public:
+  explicit TopkSelectOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES_OK(ctx, CheckFloatVector("HgsgcTopkSelect", "x", x));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(1).shape()),
+                errors::InvalidArgument("HgsgcTopkSelect: seed must be an int64 scalar"));
+    OP_REQUIRES(ctx, attrs_.k <= x.dim_size(0),
+                errors::InvalidArgument("HgsgcTopkSelect: k = ", attrs_.k, " exceeds numel = ",
+                                        x.dim_size(0)));
+    Tensor *indices = nullptr, *values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({attrs_.k}), &indices));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({attrs_.k}), &values));
+    TopkSelectFunctor<Device>()(ctx, attrs_, x, SeedOf(ctx->input(1)), indices, values);
+  }
+
+ private:
+  SelectAttrs attrs_;
+};
+
+template <>
+struct CompressFunctor<CPUDevice> {
+  void operator()(OpKernelContext* ctx, const SelectAttrs& at, int bits, const Tensor& grad,
+                  const Tensor* residual, uint64_t seed, Tensor* new_residual, Tensor* payload) {
+    const Pool pool(ctx);
+    const int64_t n = grad.dim_size(0), k = at.k;
+    Source src;
+    src.g = grad.flat<float>().data();
+    if (residual != nullptr) {
+      src.r = residual->flat<float>().data();
+      src.out = new_residual->flat<float>().data();
+    }
+    std::vector<int32_t> idx(k);
+    SelectTopK(pool, src, n, k, at.sample_size, at.margin, seed, idx.data());
+    const float* a = src.Values();
+    std::vector<float> sent(k);
+    Encode(pool, idx.data(), k, n, bits, [&](int64_t j) { return a[idx[j]]; },
+           payload->flat<uint8_t>().data(), sent.data());
+    if (residual != nullptr) {  // residual = a - scatter(sent): only the selected entries change
+      ::tensorflow::port::ScopedFlushDenormal flush;
+      float* out = src.out;
+      for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] - sent[j];
+    }
+  }
+};
+
+template <typename Device>
+class CompressOp : public OpKernel {
+ public:
+  explicit CompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
+    OP_REQUIRES_OK(ctx, CheckBits("HgsgcCompress", bits_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& grad = ctx->input(0);
+    const Tensor& residual = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckFloatVector("HgsgcCompress", "grad", grad));
+    OP_REQUIRES_OK(ctx, CheckFloatVector("HgsgcCompress", "residual", residual));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(2).shape()),
+                errors::InvalidArgument("HgsgcCompress: seed must be an int64 scalar"));
+    const int64_t n = grad.dim_size(0);
+    const bool has_res = residual.dim_size(0) != 0 || n == 0;
+    OP_REQUIRES(ctx, !has_res || residual.dim_size(0) == n,
+                errors::InvalidArgument("HgsgcCompress: residual has ", residual.dim_size(0),
+                                        " entries but grad has ", n,
+                                        " (pass an empty residual to compress without error feedback)"));
+    OP_REQUIRES(ctx, attrs_.k <= n,
+                errors::InvalidArgument("HgsgcCompress: k = ", attrs_.k, " exceeds numel = ", n));
+    Tensor *payload = nullptr, *new_res = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_)}),
+                                             &payload));
+    if (has_res) {
+      // a = grad + residual may overwrite grad's buffer when nothing else holds it.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 1}, 1, TensorShape({n}), &new_res));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &new_res));
+    }
+    CompressFunctor<Device>()(ctx, attrs_, bits_, grad, has_res ? &residual : nullptr,
+                              SeedOf(ctx->input(2)), new_res, payload);
+  }
+
+ private:
+  SelectAttrs attrs_;
+  int bits_ = 2;
+};
+
+template <>
+struct SparseEncodeFunctor<CPUDevice> {
+  void operator()(OpKernelContext* ctx, int64_t numel, int bits, const Tensor& indices,
+                  const Tensor& values, Tensor* payload, Tensor* sent) {
+    const Pool pool(ctx);
+    const float* v = values.flat<float>().data();
+    Encode(pool, indices.flat<int32_t>().data(), indices.dim_size(0), numel, bits,
+           [v](int64_t j) { return v[j]; }, payload->flat<uint8_t>().data(),
+           sent->flat<float>().data());
+  }
+};
+
+template <typename Device>
+class SparseEncodeOp : public OpKernel {
+ public:
+  explicit SparseEncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("numel", &numel_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
+    OP_REQUIRES_OK(ctx, CheckBits("HgsgcSparseEncode", bits_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(0);
+    const Tensor& values = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()) &&
+                         TensorShapeUtils::IsVector(values.shape()) &&
+                         indices.dim_size(0) == values.dim_size(0),
+                errors::InvalidArgument("HgsgcSparseEncode: indices and values must be 1-D of the "
+                                        "same length, got ", indices.shape().DebugString(), " and ",
+                                        values.shape().DebugString()));
+    const int64_t k = indices.dim_size(0);
+    OP_REQUIRES(ctx, k <= numel_,
+                errors::InvalidArgument("HgsgcSparseEncode: k = ", k, " exceeds numel = ", numel_));
+    const int32_t* idx = indices.flat<int32_t>().data();
+    for (int64_t j = 0; j < k; ++j) {
+      OP_REQUIRES(ctx, idx[j] >= 0 && idx[j] < numel_ && (j == 0 || idx[j] > idx[j - 1]),
+                  errors::InvalidArgument("HgsgcSparseEncode: indices must be strictly ascending in "
+                                          "[0, numel = ", numel_, "); position ", j, " holds ", idx[j]));
+    }
+    Tensor *payload = nullptr, *sent = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(numel_, k, bits_)}), &payload));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &sent));
+    SparseEncodeFunctor<Device>()(ctx, numel_, bits_, indices, values, payload, sent);
+  }
+
+ private:
+  int64_t numel_ = 0;
+  int bits_ = 2;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Decode + dequantize + accumulate.
+
+struct PayloadView {
+  const uint8_t* idx = nullptr;    // packed indices (width w)
+  const uint8_t* vals = nullptr;   // packed 2-bit codes or raw float32 values
+  float lo = 0, hi = 0;            // 2-bit scales
+  int64_t idx_bytes = 0;
+  int64_t val_bytes = 0;
+};
+
+template <>
+struct DecodeAccumulateFunctor<CPUDevice> {
+  void operator()(OpKernelContext* ctx, int64_t numel, int64_t k, int bits, int64_t offset,
+                  const Tensor& gathered, Tensor* sum) {
+    const Pool pool(ctx);
+    const int64_t n = gathered.dim_size(0), P = gathered.dim_size(1);
+    float* out = sum->flat<float>().data();
+    const int64_t chunks = pool.Chunks(numel);
+    if (k == 0 || n == 0) {
+      pool.For(chunks, kChunk, [&](int64_t c) {
+        const int64_t b = ChunkBegin(c, chunks, numel), e = ChunkBegin(c + 1, chunks, numel);
+        std::memset(out + b, 0, sizeof(float) * (e - b));
+      });
+      return;
+    }
+    const int w = IndexWidth(numel);
+    const uint8_t* base = gathered.flat<uint8_t>().data();
+    std::vector<PayloadView> pv(n);
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* p = base + r * P + offset;
+      PayloadView& v = pv[r];
+      v.idx_bytes = PackedLength(k, w);
+      if (bits == 2) {
+        std::memcpy(&v.lo, p, 4);
+        std::memcpy(&v.hi, p + 4, 4);
+        v.idx = p + kScaleBytes;
+        v.val_bytes = (k + 3) / 4;
+      } else {
+        v.idx = p;
+        v.val_bytes = 4 * k;
+      }
+      v.vals = v.idx + v.idx_bytes;
+    }
+    // seg[r * (chunks + 1) + c]: first entry of payload r whose index is >= the chunk's start.
+    std::vector<int64_t> seg(n * (chunks + 1));
+    pool.For(n, 64 * chunks, [&](int64_t r) {
+      int64_t* s = seg.data() + r * (chunks + 1);
+      s[0] = 0;
+      s[chunks] = k;
+      for (int64_t c = 1; c < chunks; ++c) {
+        const uint32_t start = static_cast<uint32_t>(ChunkBegin(c, chunks, numel));
+        int64_t lo = 0, hi = k;  // lower_bound on the packed (ascending) indices
+        while (lo < hi) {
+          const int64_t mid = (lo + hi) / 2;
+          if (ExtractValue(pv[r].idx, pv[r].idx_bytes, mid, w) < start) lo = mid + 1; else hi = mid;
+        }
+        s[c] = lo;
+      }
+    });
+    const UnpackFn unpack_idx = kUnpackFns[w - 1];
+    const UnpackFn unpack_codes = kUnpackFns[1];
+    std::mutex err_mu;
+    std::string err;
+    const bool assign = (n == 1);  // scatter_nd of one payload: values as they are (keeps -0)
+    pool.For(chunks, kChunk + 8 * n * k / chunks, [&](int64_t c) {
+      const int64_t cb = ChunkBegin(c, chunks, numel), ce = ChunkBegin(c + 1, chunks, numel);
+      std::memset(out + cb, 0, sizeof(float) * (ce - cb));
+      std::vector<uint32_t> neg_zero;  // positions where rank 0 sent -0 (see file comment)
+      uint32_t ib[kBlock], cbuf[kBlock];
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t s = seg[r * (chunks + 1) + c], e = seg[r * (chunks + 1) + c + 1];
+        if (e < s || (c + 1 < chunks && e > k)) {
+          std::lock_guard<std::mutex> l(err_mu);
+          err = "payload of rank " + std::to_string(r) + ": indices are not ascending";
+          return;
+        }
+        const PayloadView& v = pv[r];
+        int64_t prev = cb - 1;
+        for (int64_t b0 = s / kBlock * kBlock; b0 < e; b0 += kBlock) {
+          const int64_t nb = std::min<int64_t>(kBlock, k - b0);
+          unpack_idx(v.idx, b0, nb, ib - b0);
+          if (bits == 2) unpack_codes(v.vals, b0, nb, cbuf - b0);
+          const int64_t j1 = std::min<int64_t>(e, b0 + nb);
+          for (int64_t j = std::max(s, b0); j < j1; ++j) {
+            const int64_t i = ib[j - b0];
+            if (i <= prev || i >= ce) {
+              std::lock_guard<std::mutex> l(err_mu);
+              err = "payload of rank " + std::to_string(r) + ": entry " + std::to_string(j) +
+                    " has index " + std::to_string(i) +
+                    (i >= numel ? " >= numel = " + std::to_string(numel)
+                                : std::string(" (indices must be strictly ascending)"));
+              return;
+            }
+            prev = i;
+            float val;
+            if (bits == 2) {
+              const uint32_t code = cbuf[j - b0];
+              const float mag = (code & 1u) ? v.hi : v.lo;
+              val = code >= 2 ? -mag : mag;
+            } else {
+              std::memcpy(&val, v.vals + 4 * j, 4);
+            }
+            if (assign) {
+              out[i] = val;
+            } else {
+              if (r == 0 && FloatBits(val) == 0x80000000u) neg_zero.push_back(static_cast<uint32_t>(i));
+              out[i] += val;
+            }
+          }
+        }
+      }
+      // -0 fix-up: add_n's result is -0 iff every rank sent -0 at that position.
+      for (uint32_t i : neg_zero) {
+        bool all = true;
+        for (int64_t r = 1; r < n && all; ++r) {
+          int64_t lo = seg[r * (chunks + 1) + c], hi = seg[r * (chunks + 1) + c + 1];
+          while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (ExtractValue(pv[r].idx, pv[r].idx_bytes, mid, w) < i) lo = mid + 1; else hi = mid;
+          }
+          if (lo >= seg[r * (chunks + 1) + c + 1] || ExtractValue(pv[r].idx, pv[r].idx_bytes, lo, w) != i) {
+            all = false;
+            break;
+          }
+          float val;
+          if (bits == 2) {
+            const uint32_t code = ExtractValue(pv[r].vals, pv[r].val_bytes, lo, 2);
+            const float mag = (code & 1u) ? pv[r].hi : pv[r].lo;
+            val = code >= 2 ? -mag : mag;
+          } else {
+            std::memcpy(&val, pv[r].vals + 4 * lo, 4);
+          }
+          all = FloatBits(val) == 0x80000000u;
+        }
+        if (all) out[i] = -0.0f;
+      }
+    });
+    if (!err.empty()) ctx->CtxFailure(errors::InvalidArgument("HgsgcDecodeAccumulate: ", err));
+  }
+};
+
+template <typename Device>
+class DecodeAccumulateOp : public OpKernel {
+ public:
+  explicit DecodeAccumulateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("numel", &numel_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("offset", &offset_));
+    OP_REQUIRES_OK(ctx, CheckBits("HgsgcDecodeAccumulate", bits_));
+    OP_REQUIRES(ctx, numel_ >= 0 && numel_ < (int64_t{1} << 31) && k_ >= 0 && k_ <= numel_ && offset_ >= 0,
+                errors::InvalidArgument("HgsgcDecodeAccumulate: need 0 <= k <= numel < 2^31 and "
+                                        "offset >= 0, got numel = ", numel_, ", k = ", k_,
+                                        ", offset = ", offset_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& gathered = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(gathered.shape()),
+                errors::InvalidArgument("HgsgcDecodeAccumulate: gathered must be uint8 [n, P] (one "
+                                        "row per rank), got shape ", gathered.shape().DebugString()));
+    const int64_t need = offset_ + PayloadLength(numel_, k_, bits_);
+    OP_REQUIRES(ctx, gathered.dim_size(1) >= need,
+                errors::InvalidArgument("HgsgcDecodeAccumulate: rows of ", gathered.dim_size(1),
+                                        " bytes cannot hold a payload of ", need - offset_,
+                                        " bytes at offset ", offset_));
+    Tensor* sum = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &sum));
+    DecodeAccumulateFunctor<Device>()(ctx, numel_, k_, bits_, offset_, gathered, sum);
+  }
+
+ private:
+  int64_t numel_ = 0, k_ = 0, offset_ = 0;
+  int bits_ = 2;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Op definitions.
+
+Status VectorOfAttr(InferenceContext* c, int out, const char* attr) {
+  int64_t v = 0;
+  TF_RETURN_IF_ERROR(c->GetAttr(attr, &v));
+  c->set_output(out, c->Vector(v));
+  return ::tensorflow::OkStatus();
+}
+
+REGISTER_OP("HgsgcTopkSelect")
+    .Input("x: float")
+    .Input("seed: int64")
+    .Output("indices: int32")
+    .Output("values: float")
+    .Attr("k: int >= 0")
+    .Attr("sample_size: int = 1024")
+    .Attr("margin: float = 1.5")
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(VectorOfAttr(c, 0, "k"));
+      return VectorOfAttr(c, 1, "k");
+    })
+    .Doc("Exact top-k by magnitude (ties to the lower index) via a sampled threshold; ascending indices.");
+
+REGISTER_OP("HgsgcSparseEncode")
+    .Input("indices: int32")
+    .Input("values: float")
+    .Output("payload: uint8")
+    .Output("sent: float")
+    .Attr("numel: int >= 0")
+    .Attr("bits: int")
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      ShapeHandle idx;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &idx));
+      int64_t numel = 0;
+      int bits = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("numel", &numel));
+      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      auto k = c->Dim(idx, 0);
+      c->set_output(0, c->Vector(c->ValueKnown(k) && (bits == 2 || bits == 32)
+                                     ? c->MakeDim(PayloadLength(numel, c->Value(k), bits))
+                                     : c->UnknownDim()));
+      c->set_output(1, c->Vector(k));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Wire payload of codec.encode (2-bit or float32 values) and the values a receiver decodes.");
+
+REGISTER_OP("HgsgcCompress")
+    .Input("grad: float")
+    .Input("residual: float")
+    .Input("seed: int64")
+    .Output("payload: uint8")
+    .Output("new_residual: float")
+    .Attr("k: int >= 0")
+    .Attr("bits: int")
+    .Attr("sample_size: int = 1024")
+    .Attr("margin: float = 1.5")
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      ShapeHandle g, r;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &g));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &r));
+      int64_t k = 0;
+      int bits = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      auto n = c->Dim(g, 0);
+      c->set_output(0, c->Vector(c->ValueKnown(n) && (bits == 2 || bits == 32)
+                                     ? c->MakeDim(PayloadLength(c->Value(n), k, bits))
+                                     : c->UnknownDim()));
+      c->set_output(1, r);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Fused compensate (grad + residual) + top-k + encode + residual update (empty residual: no error feedback).");
+
+REGISTER_OP("HgsgcDecodeAccumulate")
+    .Input("gathered: uint8")
+    .Output("sum: float")
+    .Attr("numel: int >= 0")
+    .Attr("k: int >= 0")
+    .Attr("bits: int")
+    .Attr("offset: int = 0")
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &unused));
+      return VectorOfAttr(c, 0, "numel");
+    })
+    .Doc("Rank-order sum of the dense tensors decoded from every row's payload at `offset`.");
+
+REGISTER_KERNEL_BUILDER(Name("HgsgcTopkSelect").Device(DEVICE_CPU), TopkSelectOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HgsgcSparseEncode").Device(DEVICE_CPU), SparseEncodeOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HgsgcCompress").Device(DEVICE_CPU), CompressOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HgsgcDecodeAccumulate").Device(DEVICE_CPU),
+                        DecodeAccumulateOp<CPUDevice>);
+
+}  // namespace hgsgc
