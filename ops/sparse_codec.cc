@@ -31,10 +31,13 @@
 // * Encoding reproduces codec.encode / quantize.quantize_2bit float operation by float operation
 //   (a = min|v|, b = max|v|, lo = a + (b - a) * 0.25, hi = a + (b - a) * 0.75, mid = (a + b) * 0.5)
 //   under the same flush-to-zero mode (tsl::port::ScopedFlushDenormal), without FMA contraction.
-// * The accumulate reproduces add_n's left-to-right float additions of the scattered dense
-//   tensors: out starts at +0 and every rank adds its values in rank order (adding the implicit
-//   +0 of untouched positions changes nothing, except -0 + +0 = +0, which is fixed up exactly: a
-//   position is -0 at the end iff every rank sent -0 there; n == 1 assigns like scatter_nd).
+// * The accumulate reproduces scatter_nd + add_n: tf.scatter_nd adds each value to +0 (so -0
+//   arrives as +0 and a subnormal as 0), and TF's AddN adds the first r0 = n % 8 tensors (0 -> 8,
+//   1 -> 9) left to right, then adds each following group of 8, itself summed left to right, to
+//   the running sum (the kernel keeps a group's sums in a cache-sized per-chunk buffer).
+//   The kernel starts from +0 and adds every rank's values in rank order: identical, because the
+//   running sum is never -0 (x + y is -0 only if both are -0), so the +0 that the reference adds
+//   at the positions a rank did not send changes nothing.
 //
 // Threads: every pass runs on TensorFlow's intra-op pool (ctx->device()->
 // tensorflow_cpu_worker_threads(), tensorflow::Shard) over contiguous chunks of the tensor; the
@@ -654,7 +657,10 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     const Pool pool(ctx);
     const int64_t n = gathered.dim_size(0), P = gathered.dim_size(1);
     float* out = sum->flat<float>().data();
-    const int64_t chunks = pool.Chunks(numel);
+    // Many small chunks: each one's group buffer stays in cache; the per-chunk binary searches
+    // cost n * chunks * log2(k) single-index reads.
+    const int64_t chunks =
+        std::max<int64_t>(pool.Chunks(numel), std::min<int64_t>(8192, (numel + kChunk - 1) / kChunk));
     if (k == 0 || n == 0) {
       pool.For(chunks, kChunk, [&](int64_t c) {
         const int64_t b = ChunkBegin(c, chunks, numel), e = ChunkBegin(c + 1, chunks, numel);
@@ -700,22 +706,38 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     const UnpackFn unpack_codes = kUnpackFns[1];
     std::mutex err_mu;
     std::string err;
-    const bool assign = (n == 1);  // scatter_nd of one payload: values as they are (keeps -0)
+    // add_n's order (TF's AddNOp): the first r0 inputs (n % 8, with 0 -> 8 and 1 -> 9) are added
+    // left to right, then each following group of 8 is summed left to right and added to the
+    // running sum: sum = (((d0 + d1) + ...) + d_{r0-1}) + (d_r0 + ... + d_{r0+7}) + ...
+    const int64_t r0 = std::min<int64_t>(n, n % 8 == 0 ? 8 : (n % 8 == 1 ? 9 : n % 8));
     pool.For(chunks, kChunk + 8 * n * k / chunks, [&](int64_t c) {
       const int64_t cb = ChunkBegin(c, chunks, numel), ce = ChunkBegin(c + 1, chunks, numel);
       std::memset(out + cb, 0, sizeof(float) * (ce - cb));
-      std::vector<uint32_t> neg_zero;  // positions where rank 0 sent -0 (see file comment)
+      // Group sums of one chunk (cache-sized; zero between uses, only touched entries reset).
+      thread_local std::vector<float> group;
+      thread_local std::vector<uint32_t> touched;
+      if (n > r0 && static_cast<int64_t>(group.size()) < ce - cb) group.assign(ce - cb, 0.0f);
+      auto flush_group = [&]() {
+        for (uint32_t u : touched) {
+          out[cb + u] += group[u];
+          group[u] = 0.0f;
+        }
+        touched.clear();
+      };
       uint32_t ib[kBlock], cbuf[kBlock];
-      for (int64_t r = 0; r < n; ++r) {
+      bool failed = false;
+      for (int64_t r = 0; r < n && !failed; ++r) {
         const int64_t s = seg[r * (chunks + 1) + c], e = seg[r * (chunks + 1) + c + 1];
-        if (e < s || (c + 1 < chunks && e > k)) {
+        if (e < s) {
           std::lock_guard<std::mutex> l(err_mu);
           err = "payload of rank " + std::to_string(r) + ": indices are not ascending";
-          return;
+          failed = true;
+          break;
         }
         const PayloadView& v = pv[r];
+        const bool in_group = r >= r0;
         int64_t prev = cb - 1;
-        for (int64_t b0 = s / kBlock * kBlock; b0 < e; b0 += kBlock) {
+        for (int64_t b0 = s / kBlock * kBlock; b0 < e && !failed; b0 += kBlock) {
           const int64_t nb = std::min<int64_t>(kBlock, k - b0);
           unpack_idx(v.idx, b0, nb, ib - b0);
           if (bits == 2) unpack_codes(v.vals, b0, nb, cbuf - b0);
@@ -728,7 +750,8 @@ struct DecodeAccumulateFunctor<CPUDevice> {
                     " has index " + std::to_string(i) +
                     (i >= numel ? " >= numel = " + std::to_string(numel)
                                 : std::string(" (indices must be strictly ascending)"));
-              return;
+              failed = true;
+              break;
             }
             prev = i;
             float val;
@@ -739,39 +762,21 @@ struct DecodeAccumulateFunctor<CPUDevice> {
             } else {
               std::memcpy(&val, v.vals + 4 * j, 4);
             }
-            if (assign) {
-              out[i] = val;
-            } else {
-              if (r == 0 && FloatBits(val) == 0x80000000u) neg_zero.push_back(static_cast<uint32_t>(i));
+            if (!in_group) {
               out[i] += val;
+            } else {
+              // Re-listing a position whose group sum is +0 again is harmless (adds +0).
+              float& t = group[i - cb];
+              if (FloatBits(t) == 0) touched.push_back(static_cast<uint32_t>(i - cb));
+              t += val;
             }
           }
         }
+        if (in_group && (r - r0) % 8 == 7) flush_group();
       }
-      // -0 fix-up: add_n's result is -0 iff every rank sent -0 at that position.
-      for (uint32_t i : neg_zero) {
-        bool all = true;
-        for (int64_t r = 1; r < n && all; ++r) {
-          int64_t lo = seg[r * (chunks + 1) + c], hi = seg[r * (chunks + 1) + c + 1];
-          while (lo < hi) {
-            const int64_t mid = (lo + hi) / 2;
-            if (ExtractValue(pv[r].idx, pv[r].idx_bytes, mid, w) < i) lo = mid + 1; else hi = mid;
-          }
-          if (lo >= seg[r * (chunks + 1) + c + 1] || ExtractValue(pv[r].idx, pv[r].idx_bytes, lo, w) != i) {
-            all = false;
-            break;
-          }
-          float val;
-          if (bits == 2) {
-            const uint32_t code = ExtractValue(pv[r].vals, pv[r].val_bytes, lo, 2);
-            const float mag = (code & 1u) ? pv[r].hi : pv[r].lo;
-            val = code >= 2 ? -mag : mag;
-          } else {
-            std::memcpy(&val, pv[r].vals + 4 * lo, 4);
-          }
-          all = FloatBits(val) == 0x80000000u;
-        }
-        if (all) out[i] = -0.0f;
+      if (failed) {  // leave the thread's group buffer zeroed
+        for (uint32_t u : touched) group[u] = 0.0f;
+        touched.clear();
       }
     });
     if (!err.empty()) ctx->CtxFailure(errors::InvalidArgument("HgsgcDecodeAccumulate: ", err));
