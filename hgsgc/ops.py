@@ -706,10 +706,12 @@ def _check_gathered(gathered, numel, k, bits, offset):
 def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
     """Decode, dequantize and sum every rank's payload of one tensor, in rank order.
 
-    ``sum = dense(payload_0) + dense(payload_1) + ... + dense(payload_{n-1})`` (float32, added
-    left to right like the communicator's ``tf.add_n``; ``n == 1``: the scattered payload). The
+    ``sum[i] = ((0 + v_0[i]) + v_1[i]) + ... + v_{n-1}[i]`` over the ranks that sent entry ``i``
+    (float32, strictly in rank order; what ``tf.scatter_nd`` of all ranks' entries gives). The
     kernel reads each payload once and adds it straight into the output: no per-rank dense
-    tensor. Divide by ``n`` for the average.
+    tensor. Divide by ``n`` for the average. (Not ``tf.add_n`` of per-rank dense tensors: TF's
+    AddN sums groups of 8 and grappler rewrites add trees inside graphs, so for n > 9 its
+    rounding differs between eager and graph mode.)
 
     Args:
         gathered: uint8 ``[n, P]``, row r = rank r's allgathered buffer; this tensor's payload
@@ -732,15 +734,17 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
 
 
 def decode_accumulate_reference(gathered, numel, k, bits, offset=0):
-    """Reference of :func:`decode_accumulate`: ``codec.decode`` + ``tf.scatter_nd`` per rank, then
-    ``tf.add_n`` in rank order (the communicator's allgather path)."""
+    """Reference of :func:`decode_accumulate`: ``codec.decode`` of every rank's payload, then one
+    ``tf.scatter_nd`` of all entries concatenated in rank order (its CPU kernel adds the updates
+    one after another from +0: the strict rank-order sum, in eager and graph mode alike)."""
     from hgsgc.compression import codec
 
     gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset)
-    dense = []
+    idxs, vals = [], []
     for r in range(int(gathered.shape[0])):
-        idx, vals = codec.decode(gathered[r, offset:offset + p], numel, k, bits)
-        dense.append(tf.scatter_nd(idx[:, None], vals, [numel]))
-    if not dense:
+        i, v = codec.decode(gathered[r, offset:offset + p], numel, k, bits)
+        idxs.append(i)
+        vals.append(v)
+    if not idxs or k == 0:
         return tf.zeros([numel], tf.float32)
-    return tf.add_n(dense) if len(dense) > 1 else dense[0]
+    return tf.scatter_nd(tf.concat(idxs, 0)[:, None], tf.concat(vals, 0), [numel])

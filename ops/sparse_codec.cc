@@ -31,10 +31,12 @@
 // * Encoding reproduces codec.encode / quantize.quantize_2bit float operation by float operation
 //   (a = min|v|, b = max|v|, lo = a + (b - a) * 0.25, hi = a + (b - a) * 0.75, mid = (a + b) * 0.5)
 //   under the same flush-to-zero mode (tsl::port::ScopedFlushDenormal), without FMA contraction.
-// * The accumulate reproduces scatter_nd + add_n: tf.scatter_nd adds each value to +0 (so -0
-//   arrives as +0 and a subnormal as 0), and TF's AddN adds the first r0 = n % 8 tensors (0 -> 8,
-//   1 -> 9) left to right, then adds each following group of 8, itself summed left to right, to
-//   the running sum (the kernel keeps a group's sums in a cache-sized per-chunk buffer).
+// * The accumulate is the strict rank-order sum ((0 + v_0) + v_1) + ... + v_{n-1} per position
+//   (ranks that did not send the position add nothing), i.e. tf.scatter_nd of all ranks' decoded
+//   entries concatenated in rank order (its CPU kernel adds updates in order, from +0; so -0
+//   arrives as +0 and a subnormal as 0 under flush-to-zero). NOT tf.add_n of per-rank dense
+//   tensors: TF's AddN adds groups of 8 and grappler rewrites add trees in graphs, so its
+//   rounding for n > 9 depends on eager vs graph mode; the reference path uses scatter_nd.
 //   The kernel starts from +0 and adds every rank's values in rank order: identical, because the
 //   running sum is never -0 (x + y is -0 only if both are -0), so the +0 that the reference adds
 //   at the positions a rank did not send changes nothing.
@@ -657,10 +659,7 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     const Pool pool(ctx);
     const int64_t n = gathered.dim_size(0), P = gathered.dim_size(1);
     float* out = sum->flat<float>().data();
-    // Many small chunks: each one's group buffer stays in cache; the per-chunk binary searches
-    // cost n * chunks * log2(k) single-index reads.
-    const int64_t chunks =
-        std::max<int64_t>(pool.Chunks(numel), std::min<int64_t>(8192, (numel + kChunk - 1) / kChunk));
+    const int64_t chunks = pool.Chunks(numel);
     if (k == 0 || n == 0) {
       pool.For(chunks, kChunk, [&](int64_t c) {
         const int64_t b = ChunkBegin(c, chunks, numel), e = ChunkBegin(c + 1, chunks, numel);
@@ -706,24 +705,9 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     const UnpackFn unpack_codes = kUnpackFns[1];
     std::mutex err_mu;
     std::string err;
-    // add_n's order (TF's AddNOp): the first r0 inputs (n % 8, with 0 -> 8 and 1 -> 9) are added
-    // left to right, then each following group of 8 is summed left to right and added to the
-    // running sum: sum = (((d0 + d1) + ...) + d_{r0-1}) + (d_r0 + ... + d_{r0+7}) + ...
-    const int64_t r0 = std::min<int64_t>(n, n % 8 == 0 ? 8 : (n % 8 == 1 ? 9 : n % 8));
     pool.For(chunks, kChunk + 8 * n * k / chunks, [&](int64_t c) {
       const int64_t cb = ChunkBegin(c, chunks, numel), ce = ChunkBegin(c + 1, chunks, numel);
       std::memset(out + cb, 0, sizeof(float) * (ce - cb));
-      // Group sums of one chunk (cache-sized; zero between uses, only touched entries reset).
-      thread_local std::vector<float> group;
-      thread_local std::vector<uint32_t> touched;
-      if (n > r0 && static_cast<int64_t>(group.size()) < ce - cb) group.assign(ce - cb, 0.0f);
-      auto flush_group = [&]() {
-        for (uint32_t u : touched) {
-          out[cb + u] += group[u];
-          group[u] = 0.0f;
-        }
-        touched.clear();
-      };
       uint32_t ib[kBlock], cbuf[kBlock];
       bool failed = false;
       for (int64_t r = 0; r < n && !failed; ++r) {
@@ -735,7 +719,6 @@ struct DecodeAccumulateFunctor<CPUDevice> {
           break;
         }
         const PayloadView& v = pv[r];
-        const bool in_group = r >= r0;
         int64_t prev = cb - 1;
         for (int64_t b0 = s / kBlock * kBlock; b0 < e && !failed; b0 += kBlock) {
           const int64_t nb = std::min<int64_t>(kBlock, k - b0);
@@ -762,21 +745,9 @@ struct DecodeAccumulateFunctor<CPUDevice> {
             } else {
               std::memcpy(&val, v.vals + 4 * j, 4);
             }
-            if (!in_group) {
-              out[i] += val;
-            } else {
-              // Re-listing a position whose group sum is +0 again is harmless (adds +0).
-              float& t = group[i - cb];
-              if (FloatBits(t) == 0) touched.push_back(static_cast<uint32_t>(i - cb));
-              t += val;
-            }
+            out[i] += val;
           }
         }
-        if (in_group && (r - r0) % 8 == 7) flush_group();
-      }
-      if (failed) {  // leave the thread's group buffer zeroed
-        for (uint32_t u : touched) group[u] = 0.0f;
-        touched.clear();
       }
     });
     if (!err.empty()) ctx->CtxFailure(errors::InvalidArgument("HgsgcDecodeAccumulate: ", err));

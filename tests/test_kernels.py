@@ -222,16 +222,9 @@ def np_decode_sum(gathered, numel, k, bits, offset=0):
         d = np.zeros(numel, np.float32)
         d[idx.numpy()] += vals.numpy()  # like tf.scatter_nd: 0 + v (-0 arrives as +0)
         dense.append(d)
-    n = len(dense)
-    r0 = min(n, {0: 8, 1: 9}.get(n % 8, n % 8))  # TF AddN: r0 left to right, then groups of 8
-    total = dense[0]
-    for d in dense[1:r0]:
+    total = np.zeros(numel, np.float32)
+    for d in dense:  # strict rank order
         total = total + d
-    for g in range(r0, n, 8):
-        part = dense[g]
-        for d in dense[g + 1:g + 8]:
-            part = part + d
-        total = total + part
     return total
 
 
@@ -250,7 +243,7 @@ def test_decode_accumulate_matches_reference(c, n):
 @pytest.mark.parametrize("n", [1, 4, 8, 9, 10, 16, 17, 26])
 @pytest.mark.parametrize("bits", [2, 32])
 def test_decode_accumulate_many_ranks_with_offset(n, bits):
-    # n > 8 follows TF AddN's grouping of 8 (see ops/sparse_codec.cc)
+    # strict rank order for any n (tf.add_n would group by 8 for n > 9; see ops/sparse_codec.cc)
     numel, k = 200_000, 2000
     rows = []
     for rank in range(n):
@@ -260,6 +253,8 @@ def test_decode_accumulate_many_ranks_with_offset(n, bits):
     g = tf.constant(np.stack(rows))
     out = ops.decode_accumulate(g, numel, k, bits, offset=13, backend="custom")
     assert_same(out, ops.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"), "sum")
+    graph = tf.function(lambda g: ops.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"))
+    assert_same(out, graph(g), "sum vs reference in a graph")
     assert_same(out, np_decode_sum(g.numpy(), numel, k, bits, offset=13), "sum vs numpy")
 
 
