@@ -61,6 +61,7 @@ __all__ = [
     "sparse_encode_reference",
     "compress",
     "compress_reference",
+    "compress_into",
     "decode_accumulate",
     "decode_accumulate_reference",
 ]
@@ -664,6 +665,46 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
     payload, new_res = load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
                                              sample_size=sample_size, margin=margin)
     return payload, (new_res if residual is not None else None)
+
+
+def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
+                  seed=None, backend=None):
+    """:func:`compress` with the residual a ``tf.Variable``, updated in place.
+
+    The kernel (``HgsgcCompressResidual``) reads ``grad`` and the residual once and writes the new
+    residual over the old one under the variable's lock: no dense tensor is allocated (unless the
+    variable's buffer is shared with a live read, then it is replaced copy-on-write).
+
+    Args:
+        grad: float32 tensor of any static shape, ``numel`` entries; residual: float32
+            ``tf.Variable`` with ``numel`` entries (any shape). Other arguments: :func:`compress`.
+
+    Returns:
+        payload uint8 ``[codec.payload_length(numel, k, bits)]``; the variable holds
+        ``a - scatter(idx, sent)`` afterwards (``a = grad + residual``), bit for bit as
+        :func:`compress_reference`. Inside a ``tf.function`` the update is ordered before any
+        later read of the variable (automatic control dependencies).
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
+        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
+    numel = int(grad.shape.num_elements())
+    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
+            or residual.shape.num_elements() != numel:
+        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if _resolve(backend) == "reference":
+        payload, new_res = compress_reference(tf.reshape(grad, [-1]), tf.reshape(residual, [-1]), k,
+                                              bits, sample_size, margin, seed)
+        with tf.control_dependencies([residual.assign(tf.reshape(new_res, residual.shape))]):
+            return tf.identity(payload)
+    return load().hgsgc_compress_residual(grad, residual.handle, _seed64(seed), k=k, bits=bits,
+                                          sample_size=sample_size, margin=margin)
 
 
 def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,

@@ -10,6 +10,9 @@
 //   HgsgcCompress(grad: float [numel], residual: float [numel] or [0], seed: int64 scalar)
 //       [k, bits, sample_size, margin]
 //       -> payload: uint8 [payload_length], new_residual: float [numel] (or [0] without residual)
+//   HgsgcCompressResidual(grad: float [any shape], residual: resource (float32 variable of
+//       numel entries), seed) [k, bits, sample_size, margin] -> payload; the residual variable is
+//       updated in place (one read of grad and residual, one write of the residual)
 //   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset]
 //       -> sum: float [numel] = sum over ranks r = 0..n-1, in rank order, of the dense tensor
 //          decoded from gathered[r, offset : offset + payload_length]
@@ -72,6 +75,8 @@
 #include "bitpack.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/denormal.h"
@@ -97,7 +102,8 @@ using CPUDevice = Eigen::ThreadPoolDevice;
 using namespace ::hgsgc::bitpack;  // NOLINT
 
 constexpr int kScaleBytes = 8;          // [lo, hi] float32 of the 2-bit scheme
-constexpr int64_t kChunk = 1 << 16;     // entries per work chunk of the dense passes
+constexpr int64_t kChunk = 1 << 19;     // min entries per work chunk of the dense passes: below
+                                        // ~2 MB a pass is not worth waking another thread
 constexpr int64_t kMaxChunks = 256;
 
 // ---------------------------------------------------------------------------------------------
@@ -374,7 +380,7 @@ void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int 
   const int w = IndexWidth(numel);
   const int64_t idx_bytes = PackedLength(k, w);
   const int64_t blocks = (k + kBlock - 1) / kBlock;
-  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(blocks / 64, 4 * pool.num_threads));
+  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(blocks / 2048, 4 * pool.num_threads));
   auto block_range = [&](int64_t s, int64_t* first, int64_t* count) {
     const int64_t b0 = blocks * s / shards, b1 = blocks * (s + 1) / shards;
     *first = b0 * kBlock;
@@ -527,15 +533,16 @@ class TopkSelectOp : public OpKernel {
 
 template <>
 struct CompressFunctor<CPUDevice> {
+  // residual / new_residual: float [n] or nullptr (no error feedback); they may alias (in place).
   void operator()(OpKernelContext* ctx, const SelectAttrs& at, int bits, const Tensor& grad,
-                  const Tensor* residual, uint64_t seed, Tensor* new_residual, Tensor* payload) {
+                  const float* residual, float* new_residual, uint64_t seed, Tensor* payload) {
     const Pool pool(ctx);
-    const int64_t n = grad.dim_size(0), k = at.k;
+    const int64_t n = grad.NumElements(), k = at.k;
     Source src;
     src.g = grad.flat<float>().data();
     if (residual != nullptr) {
-      src.r = residual->flat<float>().data();
-      src.out = new_residual->flat<float>().data();
+      src.r = residual;
+      src.out = new_residual;
     }
     std::vector<int32_t> idx(k);
     SelectTopK(pool, src, n, k, at.sample_size, at.margin, seed, idx.data());
@@ -583,8 +590,61 @@ class CompressOp : public OpKernel {
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &new_res));
     }
-    CompressFunctor<Device>()(ctx, attrs_, bits_, grad, has_res ? &residual : nullptr,
-                              SeedOf(ctx->input(2)), new_res, payload);
+    CompressFunctor<Device>()(ctx, attrs_, bits_, grad,
+                              has_res ? residual.flat<float>().data() : nullptr,
+                              has_res ? new_res->flat<float>().data() : nullptr,
+                              SeedOf(ctx->input(2)), payload);
+  }
+
+ private:
+  SelectAttrs attrs_;
+  int bits_ = 2;
+};
+
+// Same computation, the residual being a resource variable updated in place (under its mutex):
+// one pass reads grad and residual and writes the residual; no dense tensor is allocated unless
+// the variable's buffer is shared (then it is replaced, copy-on-write like TF's training ops).
+template <typename Device>
+class CompressResidualOp : public OpKernel {
+ public:
+  explicit CompressResidualOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
+    OP_REQUIRES_OK(ctx, CheckBits("HgsgcCompressResidual", bits_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(2).shape()),
+                errors::InvalidArgument("HgsgcCompressResidual: seed must be an int64 scalar"));
+    const int64_t n = grad.NumElements();
+    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
+                errors::InvalidArgument("HgsgcCompressResidual: grad has ", n,
+                                        " entries; at most 2^31 - 1 are supported"));
+    OP_REQUIRES(ctx, attrs_.k <= n,
+                errors::InvalidArgument("HgsgcCompressResidual: k = ", attrs_.k, " exceeds numel = ", n));
+    ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 1), &var));
+    ::tensorflow::mutex_lock lock(*var->mu());
+    Tensor* res = var->tensor();
+    OP_REQUIRES(ctx, res->IsInitialized() && res->dtype() == ::tensorflow::DT_FLOAT &&
+                         res->NumElements() == n,
+                errors::InvalidArgument("HgsgcCompressResidual: the residual variable must be an "
+                                        "initialized float32 variable of ", n, " entries, got ",
+                                        res->IsInitialized() ? res->shape().DebugString() : "uninitialized"));
+    Tensor* payload = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_)}),
+                                             &payload));
+    const float* r = res->flat<float>().data();
+    if (var->copy_on_read_mode.load() || !res->RefCountIsOne()) {
+      Tensor fresh;  // someone holds the old value: write the new residual to a new buffer
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, res->shape(), &fresh));
+      CompressFunctor<Device>()(ctx, attrs_, bits_, grad, r, fresh.flat<float>().data(),
+                                SeedOf(ctx->input(2)), payload);
+      *res = fresh;
+    } else {
+      CompressFunctor<Device>()(ctx, attrs_, bits_, grad, r, res->flat<float>().data(),
+                                SeedOf(ctx->input(2)), payload);
+    }
   }
 
  private:
@@ -867,6 +927,32 @@ REGISTER_OP("HgsgcCompress")
     })
     .Doc("Fused compensate (grad + residual) + top-k + encode + residual update (empty residual: no error feedback).");
 
+REGISTER_OP("HgsgcCompressResidual")
+    .Input("grad: float")
+    .Input("residual: resource")
+    .Input("seed: int64")
+    .Output("payload: uint8")
+    .Attr("k: int >= 0")
+    .Attr("bits: int")
+    .Attr("sample_size: int = 1024")
+    .Attr("margin: float = 1.5")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      int64_t k = 0;
+      int bits = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      int64_t n = -1;
+      if (c->FullyDefined(c->input(0))) {
+        n = 1;
+        for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
+      }
+      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) ? c->MakeDim(PayloadLength(n, k, bits))
+                                                                     : c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("HgsgcCompress with the residual a float32 resource variable (any shape) updated in place.");
+
 REGISTER_OP("HgsgcDecodeAccumulate")
     .Input("gathered: uint8")
     .Output("sum: float")
@@ -884,6 +970,8 @@ REGISTER_OP("HgsgcDecodeAccumulate")
 REGISTER_KERNEL_BUILDER(Name("HgsgcTopkSelect").Device(DEVICE_CPU), TopkSelectOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcSparseEncode").Device(DEVICE_CPU), SparseEncodeOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcCompress").Device(DEVICE_CPU), CompressOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HgsgcCompressResidual").Device(DEVICE_CPU).HostMemory("seed"),
+                        CompressResidualOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcDecodeAccumulate").Device(DEVICE_CPU),
                         DecodeAccumulateOp<CPUDevice>);
 

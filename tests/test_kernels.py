@@ -81,7 +81,7 @@ KINDS = ["normal", "ties", "sparse", "outliers", "subnormal", "negzero"]
 @st.composite
 def cases(draw):
     numel = draw(st.one_of(st.integers(0, 40), st.integers(41, 5000),
-                           st.sampled_from([65_537, 140_001])))
+                           st.sampled_from([65_537, 1_100_003])))
     density = draw(st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]))
     k = num_selected(numel, density) if numel else 0
     return dict(numel=numel, k=k, kind=draw(st.sampled_from(KINDS)),
@@ -112,7 +112,8 @@ def test_topk_select_matches_reference_and_numpy(c):
     assert_same(vals, x[idx.numpy()], "values vs x[indices]")
 
 
-@pytest.mark.parametrize("numel,k", [(0, 0), (1, 0), (1, 1), (2, 1), (1025, 1025), (300_000, 300)])
+@pytest.mark.parametrize("numel,k", [(0, 0), (1, 0), (1, 1), (2, 1), (1025, 1025), (300_000, 300),
+                                     (2_000_000, 2000)])
 def test_topk_select_edges(numel, k):
     x = make_tensor("normal", numel, 5)
     idx, vals = ops.topk_select(x, k, backend="custom")
@@ -122,9 +123,9 @@ def test_topk_select_edges(numel, k):
 
 def test_topk_select_fallback_paths_are_exact():
     # Estimate far too high (fewer than k candidates) and far too low (all entries candidates).
-    n = 200_000
+    n = 1_200_000
     x = np.full(n, 1.0, np.float32)
-    x[::1000] = 5.0  # 200 large entries; sample of 8 likely misses them all -> threshold 1.0
+    x[::6000] = 5.0  # 200 large entries; sample of 8 likely misses them all -> threshold 1.0
     for k in (100, 200, 201, 5000):
         for sample_size in (8, 1024):
             idx, _ = ops.topk_select(x, k, sample_size=sample_size, backend="custom")
@@ -202,6 +203,36 @@ def test_compress_inside_tf_function():
     assert_same(r, expected_res, "residual")
 
 
+@pytest.mark.parametrize("numel,k,bits", [(0, 0, 2), (1, 1, 2), (5000, 50, 2), (1_100_000, 1100, 32)])
+def test_compress_into_updates_the_variable_in_place(numel, k, bits):
+    g = make_tensor("normal", numel, 11).reshape([-1, 1]) if numel else np.zeros([0, 1], np.float32)
+    r0 = make_tensor("ties", numel, 12).reshape(g.shape)
+    var_k, var_r = tf.Variable(r0), tf.Variable(r0)
+    for step in range(3):  # residual carried over steps
+        p_k = ops.compress_into(g, var_k, k, bits, seed=step, backend="custom")
+        p_r = ops.compress_into(g, var_r, k, bits, seed=step, backend="reference")
+        assert_same(p_k, p_r, f"payload step {step}")
+        assert_same(var_k, var_r, f"residual step {step}")
+
+
+def test_compress_into_copy_on_write_and_graph():
+    g = tf.constant(make_tensor("normal", 20_000, 1))
+    var = tf.Variable(make_tensor("normal", 20_000, 2))
+    held = var.read_value()  # shares the buffer: the kernel must not overwrite it
+    before = held.numpy().copy()
+    expected_payload, expected_res = ops.compress(g, tf.constant(before), 20, 2, backend="reference")
+
+    @tf.function
+    def step(g):
+        payload = ops.compress_into(g, var, 20, 2, backend="custom")
+        return payload, var.read_value()
+
+    payload, after = step(g)
+    assert_same(held, before, "held value unchanged")
+    assert_same(payload, expected_payload, "payload")
+    assert_same(after, expected_res, "residual read after the update in the same graph")
+
+
 # ------------------------------------------------------------------------------------------------
 # Decode + accumulate.
 
@@ -244,7 +275,7 @@ def test_decode_accumulate_matches_reference(c, n):
 @pytest.mark.parametrize("bits", [2, 32])
 def test_decode_accumulate_many_ranks_with_offset(n, bits):
     # strict rank order for any n (tf.add_n would group by 8 for n > 9; see ops/sparse_codec.cc)
-    numel, k = 200_000, 2000
+    numel, k = 1_100_000, 2000  # > 2 chunks of the kernel's dense passes
     rows = []
     for rank in range(n):
         x = make_tensor("normal", numel, 100 + rank)
