@@ -62,6 +62,7 @@ __all__ = [
     "compress",
     "compress_reference",
     "compress_into",
+    "set_compression_backend",
     "decode_accumulate",
     "decode_accumulate_reference",
 ]
@@ -181,6 +182,26 @@ def _resolve(backend):
 
 
 _backend = _check_backend(os.environ.get("HGSGC_OPS_BACKEND", "auto"))
+#: Backend of the fused compression kernels (topk_select ... decode_accumulate) when a call passes
+#: ``backend=None``: ``$HGSGC_COMPRESSION_KERNELS`` (auto | custom | reference), default "auto".
+#: Separate from the bit-packing setting, so the reference compression path can be timed with the
+#: packing kernels it uses today (scripts/bench_kernels.py).
+_compression_backend = _check_backend(os.environ.get("HGSGC_COMPRESSION_KERNELS", "auto"))
+
+
+def set_compression_backend(name):
+    """Choose the implementation of the fused compression ops for this process (see
+    :func:`set_backend`; ``"reference"`` makes hgsgc use the pure-TF path).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    global _compression_backend
+    _compression_backend = _check_backend(name)
+
+
+def _resolve_compression(backend):
+    return _resolve(_compression_backend if backend is None else backend)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -562,7 +583,8 @@ def topk_select(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, se
         x: float32 ``[numel]`` (static length). k: Python int in ``[0, numel]``.
         sample_size: entries sampled for the estimate; margin: over-selection factor (>= 1).
         seed: integer scalar (or int32 ``[2]``) tensor or int; None: a fixed seed.
-        backend: ``"custom"``, ``"reference"``, ``"auto"`` or None (module setting).
+        backend: ``"custom"``, ``"reference"``, ``"auto"`` or None (the module setting,
+            :func:`set_compression_backend` / ``$HGSGC_COMPRESSION_KERNELS``).
 
     Returns:
         ``(indices int32 [k] ascending, values float32 [k] = x[indices])``.
@@ -574,7 +596,7 @@ def topk_select(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, se
     x = _float_vector(x, "x")
     k = _check_k(k, int(x.shape[0]))
     sample_size, margin = _check_select_args(sample_size, margin)
-    if _resolve(backend) == "reference":
+    if _resolve_compression(backend) == "reference":
         return topk_select_reference(x, k, sample_size, margin, seed)
     return load().hgsgc_topk_select(x, _seed64(seed), k=k, sample_size=sample_size, margin=margin)
 
@@ -614,7 +636,7 @@ def sparse_encode(indices, values, numel, bits, backend=None):
     if indices.shape.rank != 1 or indices.shape[0] != values.shape[0]:
         raise ValueError(f"indices {indices.shape} and values {values.shape} must be 1-D of the same length")
     _check_k(int(values.shape[0]), int(numel))
-    if _resolve(backend) == "reference":
+    if _resolve_compression(backend) == "reference":
         return sparse_encode_reference(indices, values, numel, bits)
     return load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits)
 
@@ -659,7 +681,7 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
         residual = _float_vector(residual, "residual")
         if int(residual.shape[0]) != numel:
             raise ValueError(f"residual has {residual.shape[0]} entries but grad has {numel}")
-    if _resolve(backend) == "reference":
+    if _resolve_compression(backend) == "reference":
         return compress_reference(grad, residual, k, bits, sample_size, margin, seed)
     res = residual if residual is not None else tf.zeros([0], tf.float32)
     payload, new_res = load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
@@ -698,7 +720,7 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
     k = _check_k(k, numel)
     bits = _check_bits(bits)
     sample_size, margin = _check_select_args(sample_size, margin)
-    if _resolve(backend) == "reference":
+    if _resolve_compression(backend) == "reference":
         payload, new_res = compress_reference(tf.reshape(grad, [-1]), tf.reshape(residual, [-1]), k,
                                               bits, sample_size, margin, seed)
         with tf.control_dependencies([residual.assign(tf.reshape(new_res, residual.shape))]):
@@ -769,7 +791,7 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
         ValueError: bad shapes, ``k``, ``bits`` or ``offset``.
     """
     gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset)
-    if _resolve(backend) == "reference":
+    if _resolve_compression(backend) == "reference":
         return decode_accumulate_reference(gathered, numel, k, bits, offset)
     return load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset)
 

@@ -256,11 +256,54 @@ def main(argv=None):
             json.dump(out, f, indent=1)
 
 
-def bench_model(repeats):
-    """Compute-only step of the Fashion-MNIST model: fp16 vs SGC (reference ops / kernels)."""
-    from bench_kernels_model import time_model_steps  # noqa: E402  (scripts/ helper)
+MODEL_RUNS = [  # (label, config, overrides, HGSGC_COMPRESSION_KERNELS)
+    ("fp16", "configs/fashion_mnist_dense.yaml", ["compression.method=fp16"], "auto"),
+    ("sgc delay=1, reference", "configs/fashion_mnist_sgc.yaml", ["compression.delay=1"], "reference"),
+    ("sgc delay=1, kernels", "configs/fashion_mnist_sgc.yaml", ["compression.delay=1"], "custom"),
+    ("sgc delay=4, reference", "configs/fashion_mnist_sgc.yaml", [], "reference"),
+    ("sgc delay=4, kernels", "configs/fashion_mnist_sgc.yaml", [], "custom"),
+]
 
-    return time_model_steps(repeats)
+
+def bench_model(repeats, steps=60, rounds=2):
+    """Compute-only step (one plain process, world size 1, no communication; as ``hgsgc bench``'s
+    compute_only) of the Fashion-MNIST model: fp16 vs SGC with the reference ops / the kernels.
+
+    Every round runs each configuration once, in turn (side by side); the figure is the mean
+    step time of ``hgsgc train``'s summary.json (first step, i.e. tracing, excluded there),
+    median over the rounds.
+    """
+    import subprocess
+    import tempfile
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out_dir = tempfile.mkdtemp(prefix="hgsgc_bench_kernels_")
+    times = {label: [] for label, *_ in MODEL_RUNS}
+    loads = []
+    for rnd in range(rounds):
+        for label, cfg, overrides, kernels in MODEL_RUNS:
+            run_id = f"r{rnd}-{label.replace(' ', '_').replace(',', '').replace('=', '')}"
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+            env["HGSGC_COMPRESSION_KERNELS"] = kernels
+            env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+            cmd = [sys.executable, "-m", "hgsgc.cli", "train", os.path.join(root, cfg), *overrides,
+                   "train.epochs=1", f"train.max_steps_per_epoch={steps}", f"run.out_dir={out_dir}",
+                   f"run.id={run_id}", "train.progress=false"]
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{label}: hgsgc train failed: {proc.stderr[-2000:]}")
+            with open(os.path.join(out_dir, run_id, "summary.json")) as f:
+                times[label].append(json.load(f)["mean_step_time_s"])
+            loads.append(loadavg())
+    res = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    print(f"\n## compute-only training step, Fashion-MNIST model ({steps} steps per run, "
+          f"median of {rounds} side-by-side rounds)")
+    print("| configuration | step ms | vs fp16 | loadavg (per run) |")
+    print("|---|---|---|---|")
+    for i, (label, *_rest) in enumerate(MODEL_RUNS):
+        la = "; ".join(loads[i::len(MODEL_RUNS)])
+        print(f"| {label} | {res[label]:.1f} | {res[label] / res['fp16']:.2f}x | {la} |")
+    return {"step_ms": res, "all_s": times, "loadavg": loads, "steps": steps, "rounds": rounds}
 
 
 if __name__ == "__main__":
