@@ -84,35 +84,40 @@ def copy_bandwidth(mb):
 
 
 def timed(fns, args, repeats):
-    """(min, median) seconds of each fn(*args), timed round-robin ``repeats`` times."""
+    """(min wall, median wall, min CPU) seconds of each fn(*args), timed round-robin.
+
+    CPU = the process's user + system time during the call (all threads, TF's pool included):
+    the work done, much less sensitive than wall time to other jobs taking the cores."""
     times = [[] for _ in fns]
+    cpus = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             out = fn(*args)
             if isinstance(out, (tuple, list)):
                 out = out[0]
             out.numpy()
             times[i].append(time.perf_counter() - t0)
-    return [(min(t), statistics.median(t)) for t in times]
+            cpus[i].append(time.process_time() - c0)
+    return [(min(t), statistics.median(t), min(c)) for t, c in zip(times, cpus)]
 
 
 def ms(t):
-    """{"min", "median"} in milliseconds from timed()'s (min, median) seconds."""
-    return {"min": 1e3 * t[0], "median": 1e3 * t[1]}
+    """{"min", "median", "cpu"} in milliseconds from timed()'s seconds."""
+    return {"min": 1e3 * t[0], "median": 1e3 * t[1], "cpu": 1e3 * t[2]}
 
 
 def ratio(slow, fast):
-    """Speed-up of fast over slow on the medians and on the minima."""
-    return {"min": slow[0] / fast[0], "median": slow[1] / fast[1]}
+    """Speed-up of fast over slow: medians, minima and CPU times."""
+    return {"min": slow[0] / fast[0], "median": slow[1] / fast[1], "cpu": slow[2] / fast[2]}
 
 
 def cell(d, digits=1):
-    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f})"
+    return f"{d['median']:.{digits}f} / {d['min']:.{digits}f} / {d['cpu']:.{digits}f}"
 
 
 def xcell(d):
-    return f"{d['median']:.1f}x ({d['min']:.1f}x)"
+    return f"{d['median']:.1f} / {d['min']:.1f} / {d['cpu']:.1f}"
 
 
 def same_bits(a, b):
@@ -211,8 +216,9 @@ def main(argv=None):
     print(f"hgsgc fused kernels vs reference path; TensorFlow {tf.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} cores, intra-op threads "
           f"{tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()}; "
-          f"bits={args.bits}; times in ms: median (min) of the side-by-side repeats; "
-          f"x bound: min time / bandwidth bound")
+          f"bits={args.bits}; times in ms as median wall / min wall / min CPU (process user+sys) "
+          f"of {args.repeats} side-by-side repeats; speed-ups (x) the same three ratios; "
+          f"x bound: min wall / bandwidth bound")
     print(f"copy bandwidth (numpy, {args.copy_mb} MB, read+write): {bw / 1e9:.2f} GB/s; "
           f"loadavg {loadavg()}")
     out = dict(copy_bandwidth_gbs=bw / 1e9, bits=args.bits, repeats=args.repeats, compress=[],
