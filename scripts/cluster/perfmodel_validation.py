@@ -84,6 +84,15 @@ def main(argv=None):
         p = pm.predict_step(compute, compression, pm.traffic(comp, shapes), r["world_size"], link,
                             cycle_s=cal["cycle_s"])
         meas = s["step"]["mean_ms_slowest_rank"] / 1e3
+        # dedicated-core estimate: CPU-time inputs; measured step minus its TF threads' run-queue
+        # wait (the time they were runnable but another process had the core), per rank, slowest
+        cpu = lambda ph: max(a + b for a, b in zip(s[ph]["cpu_ms_tf_other"], s[ph]["cpu_ms_main"])) / 1e3
+        p_cpu = pm.predict_step(cpu("compute_no_hvd"), cpu("compression") if "compression" in s else 0.0,
+                                pm.traffic(comp, shapes), r["world_size"], link, cycle_s=cal["cycle_s"])
+        ranks = r.get("ranks") or []
+        waits = [a["phases"]["step"]["threads"]["tf_other"]["runqueue_wait_ms_per_rep"] for a in ranks]
+        walls = [a["phases"]["step"]["mean_ms"] for a in ranks]
+        meas_ded = max(w - q for w, q in zip(walls, waits)) / 1e3 if ranks else None
         rows.append({"run": os.path.basename(path)[:-5], "method": m, "delay": r["delay"], "bandwidth": bw,
                      "hosts": r["world_size"],
                      "settings": ", ".join(f"{k.replace('OMPI_MCA_mpi_', '').replace('HOROVOD_', '')}={v}"
@@ -91,16 +100,21 @@ def main(argv=None):
                                            if k in ("OMPI_MCA_mpi_yield_when_idle", "HOROVOD_CYCLE_TIME"))
                      or "Horovod/Open MPI defaults", "load": [r["load_before"][0], r["load_after"][0]],
                      "predicted": p, "measured_step_s": meas,
-                     "error": p["step_s"] / meas - 1, "calibration": cal["source"]})
+                     "error": p["step_s"] / meas - 1, "calibration": cal["source"],
+                     "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
+                     "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
     lines = ["| run | method | H | link | settings | loadavg | compute ms | compression ms/step | wire ms/step "
-             "| coordination ms/step | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| coordination ms/step | predicted ms | measured ms | error | dedicated-core estimate: predicted "
+             "(CPU inputs) / measured - run-queue wait ms | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         p = x["predicted"]
         lines.append(f"| `{x['run']}` | {x['method']} | {x['delay']} | {x['bandwidth']} | {x['settings']} | "
                      f"{x['load'][0]:.0f}-{x['load'][1]:.0f} | {p['compute_s'] * 1e3:.1f} | "
                      f"{p['compression_s'] * 1e3:.1f} | {p['wire_s'] * 1e3:.1f} | {p['coordination_s'] * 1e3:.1f} | "
-                     f"{p['step_s'] * 1e3:.1f} | {x['measured_step_s'] * 1e3:.1f} | {100 * x['error']:+.0f} % |")
+                     f"{p['step_s'] * 1e3:.1f} | {x['measured_step_s'] * 1e3:.1f} | {100 * x['error']:+.0f} % | "
+                     + (f"{x['predicted_cpu_inputs']['step_s'] * 1e3:.1f} / {x['measured_minus_runqueue_s'] * 1e3:.1f} | "
+                        f"{100 * x['error_dedicated']:+.0f} % |" if x["error_dedicated"] is not None else "- | - |"))
     text = "\n".join(lines)
     print(text)
     if args.md:
