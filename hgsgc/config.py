@@ -15,11 +15,12 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hgsgc.compression import base as _methods
 from hgsgc.data import DEFAULT_PATH
 from hgsgc.models import MODELS
 
-METHODS = ("none", "fp16", "topk", "sgc", "localsgd", "dgc", "terngrad", "powersgd")
-SPARSE_METHODS = ("topk", "sgc", "dgc")
+METHODS = _methods.method_names()  # the registry of hgsgc.compression (a new method adds itself)
+SPARSE_METHODS = tuple(m for m, spec in _methods.METHODS.items() if spec.sparse)
 LAYOUTS = ("data_parallel", "hourglass")
 
 
@@ -222,6 +223,10 @@ def validate(cfg: Config) -> None:
     if c.warmup_steps and not sparse:
         bad("compression.warmup_steps", c.warmup_steps,
             "warm-up of sparsity needs method topk, sgc or dgc")
+    if c.warmup_steps and cfg.layout != "data_parallel":
+        bad("compression.warmup_steps", c.warmup_steps,
+            f"warm-up of sparsity is run by the data-parallel runner only (layout is {cfg.layout}): "
+            "remove it or set layout=data_parallel")
     for key, v in (("train.warmup_steps", t.warmup_steps), ("compression.warmup_steps", c.warmup_steps), ("train.threads", t.threads),
                    ("train.max_steps_per_epoch", t.max_steps_per_epoch),
                    ("data.train_limit", cfg.data.train_limit), ("data.test_limit", cfg.data.test_limit)):
@@ -297,24 +302,29 @@ def resolved_bits(c: CompressionConfig, method: Optional[str] = None) -> int:
     return 2 if (method or c.method) == "sgc" else 32
 
 
-def compression_from_config(c: CompressionConfig):
-    """The ``hgsgc.Compression`` value a :class:`CompressionConfig` describes."""
-    from hgsgc.compression import Compression, DenseCompression, SparseCompression
+def compression_from_config(c: CompressionConfig, method: Optional[str] = None, **overrides):
+    """The ``hgsgc.Compression`` value a :class:`CompressionConfig` describes.
 
-    if c.method in ("none", "fp16"):
-        return DenseCompression(c.method)
-    if c.method == "localsgd":
-        return Compression.localsgd(c.delay)
-    if c.method == "terngrad":
-        return Compression.terngrad(clip_sigma=c.terngrad_clip_sigma)
-    if c.method == "powersgd":
-        return Compression.powersgd(rank=c.powersgd_rank, error_feedback=c.error_feedback)
-    bits = resolved_bits(c)
-    return SparseCompression(
-        density=c.density, bits=bits, delay=c.delay, hierarchy=c.hierarchy, selector=c.selector,
-        error_feedback=c.error_feedback, method=c.method,
-        momentum_correction=c.momentum_correction or c.method == "dgc",
-        local_clip_norm=c.local_clip_norm or None)
+    One conversion for every method (the registry of :mod:`hgsgc.compression.base`) and both
+    sides of the Hourglass layout. ``method`` overrides ``c.method``; ``overrides`` (``delay``,
+    ``hierarchy``) are passed to the method's builder.
+    """
+    return _methods.METHODS[method or c.method].from_config(c, **overrides)
+
+
+def fc_compression_from_config(cfg: Config):
+    """Compression among Hourglass FC ranks: ``hourglass.fc_method`` (none | fp16 | topk | sgc).
+
+    ``topk`` / ``sgc`` take density, bits, selector, error feedback and hierarchy from the
+    ``compression`` section through :func:`compression_from_config` (as the data-parallel and
+    CONV sides do); the FC exchange always runs every step (delay 1), without DGC momentum
+    correction or local clipping (those belong to the CONV side's optimizer).
+    """
+    m = cfg.hourglass.fc_method
+    comp = compression_from_config(cfg.compression, m, delay=1)
+    if hasattr(comp, "momentum_correction"):
+        comp = dataclasses.replace(comp, momentum_correction=False, local_clip_norm=None)
+    return comp
 
 
 def to_dict(cfg: Config) -> dict:

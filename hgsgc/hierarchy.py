@@ -261,61 +261,9 @@ def node_plan(hosts: Sequence[Sequence[int]]) -> Plan:
 # Closed-form costs (the formulas the counters are checked against).
 
 
-def tree_rounds(n: int) -> int:
-    """Rounds on the critical path of the tree: ``ceil(log2 n) + [n not a power of two]``."""
-    if n <= 1:
-        return 0
-    return math.ceil(math.log2(n)) + (0 if n & (n - 1) == 0 else 1)
-
-
-def allgather_rounds(n: int) -> int:
-    """Rounds of a latency-optimal allgather (Bruck / recursive doubling): ``ceil(log2 n)``."""
-    return 0 if n <= 1 else (n - 1).bit_length()
-
-
-def allgather_cost(n: int, payload: int) -> dict:
-    """Flat allgather: sent = received = ``(n - 1) P``; one collective call."""
-    w = (n - 1) * payload
-    return dict(bytes_sent=w, bytes_received=w, messages=1, rounds=allgather_rounds(n),
-                inter_bytes_sent=w, inter_bytes_received=w)
-
-
-def tree_cost(n: int, rank: int, payload: int) -> dict:
-    """Closed form of the tree's per-rank cost (table in the module docstring)."""
-    if n <= 1:
-        return dict(bytes_sent=0, bytes_received=0, messages=0, rounds=0,
-                    inter_bytes_sent=0, inter_bytes_received=0)
-    m = 1 << (n.bit_length() - 1)
-    e, L = n - m, m.bit_length() - 1
-    if rank < e:
-        sent, recv, msgs = L + 2, L + 1, L + 2
-    elif rank < m:
-        sent, recv, msgs = L, L, L
-    else:
-        sent, recv, msgs = 1, 2, 1
-    return dict(bytes_sent=sent * payload, bytes_received=recv * payload, messages=msgs,
-                rounds=tree_rounds(n), inter_bytes_sent=sent * payload,
-                inter_bytes_received=recv * payload)
-
-
-def node_cost(hosts: Sequence[Sequence[int]], rank: int, payload: int) -> dict:
-    """Closed form of the node hierarchy's per-rank cost for ``hosts`` (lists of ranks)."""
-    hosts = sorted((sorted(h) for h in hosts if len(h)), key=lambda h: h[0])
-    big = any(len(h) > 1 for h in hosts)
-    rounds = tree_rounds(len(hosts)) + (2 if big else 0)
-    for hi, h in enumerate(hosts):
-        if rank in h:
-            s = len(h)
-            if rank != h[0]:
-                return dict(bytes_sent=payload, bytes_received=payload, messages=1, rounds=rounds,
-                            inter_bytes_sent=0, inter_bytes_received=0)
-            t = tree_cost(len(hosts), hi, payload)
-            intra = (s - 1) * payload
-            return dict(bytes_sent=t["bytes_sent"] + intra,
-                        bytes_received=t["bytes_received"] + intra,
-                        messages=t["messages"] + (s - 1), rounds=rounds,
-                        inter_bytes_sent=t["bytes_sent"], inter_bytes_received=t["bytes_received"])
-    raise ValueError(f"rank {rank} is on no host of {hosts}")
+# The formulas live in hgsgc.costs (the one module of cost formulas); re-exported here.
+from hgsgc.costs import (allgather_cost, allgather_rounds, node_cost, tree_cost,  # noqa: E402,F401
+                         tree_rounds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,55 +394,48 @@ def merge(parts, k: int, numel: int, bits: int):
     return payload, new_idx, q, union, contribs, dropped, kept
 
 
-def exchange(tensors, names, *, compression, memory, stats, process_set, rank: int, n: int,
-             plan: Plan, select, uid: int):
-    """Average ``tensors`` over the process set along ``plan`` (tree or node).
+def exchange(views, *, codec, ctx, plan: Plan):
+    """Average flat float32 ``views`` (already error-compensated) along ``plan`` (tree or node).
 
-    Every rank compensates, selects and encodes as for the allgather; then the plan's rounds run
-    (one ``hvd.alltoall`` each), the residuals take what the local compression and this rank's
-    share of the merges dropped, and the final aggregate divided by ``n`` is returned, identical
-    on every rank. Counters: ``bytes_sent`` / ``bytes_received`` are the sizes of the tensors
-    actually handed to / returned by Horovod (payload bytes), ``messages`` the point-to-point
-    payloads sent, ``rounds`` the plan's rounds.
+    Every rank selects and encodes with ``codec`` (a :class:`hgsgc.compression.codec.TopKCodec`)
+    as for the allgather; then the plan's rounds run (one ``hvd.alltoall`` each through
+    ``ctx.comm``), and the final aggregate divided by ``n`` is returned, identical on every rank.
+
+    Returns:
+        ``(averages, contributed)``: float32 ``[numel]`` each; ``contributed`` is this rank's
+        decoded payload minus the merge pieces this rank keeps (module docstring), so error
+        feedback ``e' = a - contributed`` satisfies the mass identity. Counters (through
+        ``ctx.comm``): ``payload_bytes`` P, ``bytes_sent`` / ``bytes_received`` the sizes of the
+        tensors handed to / returned by Horovod, ``messages`` the payloads sent, ``rounds`` the
+        plan's rounds.
     """
     import tensorflow as tf
 
     # The graph built here depends on the rank (merge, adopt or idle per round). Inside a name
     # scope of its own it cannot shift the auto-generated names of ops built after it, which
     # Horovod ops named after their input tensors rely on being equal on every rank.
-    with tf.name_scope(f"hgsgc_{plan.hierarchy}_{uid}"):
-        return _exchange(tensors, names, compression, memory, stats, process_set, rank, n, plan,
-                         select, uid)
+    with tf.name_scope(f"hgsgc_{plan.hierarchy}_{ctx.uid}"):
+        return _exchange(views, codec, ctx, plan)
 
 
-def _exchange(tensors, names, compression, memory, stats, process_set, rank, n, plan, select, uid):
-    import horovod.tensorflow as hvd
+def _exchange(views, codec, ctx, plan):
     import tensorflow as tf
 
-    from hgsgc.compression import codec
-    from hgsgc.compression.sparsify import num_selected
+    from hgsgc.compression import codec as wire
 
-    comp = compression
-    bits = comp.bits
-    specs, aggs, payloads, compensated, local = [], [], [], [], []
-    for t, name in zip(tensors, names):
-        numel = int(t.shape.num_elements())
-        flat = tf.reshape(tf.cast(t, tf.float32), [-1])
-        a = memory.compensate(name, flat) if comp.error_feedback else flat
-        k = num_selected(numel, comp.density)
-        idx, vals = select(a, k)
-        payload, sent = codec.encode(idx, vals, numel, bits)
-        specs.append((numel, k, int(payload.shape[0])))
+    bits = codec.bits
+    comm, uid, rank, n = ctx.comm, ctx.uid, ctx.comm.rank, ctx.comm.size
+    specs, aggs, payloads, local = [], [], [], []
+    for a in views:
+        numel = int(a.shape[0])
+        payload, idx, sent = codec.encode_sparse(a, ctx)
+        specs.append((numel, codec.k(numel), int(payload.shape[0])))
         aggs.append((idx, sent))
         payloads.append(payload)
-        compensated.append(a)
         local.append((idx, sent))
     P = sum(p for _, _, p in specs)
-    d = sum(numel for numel, _, _ in specs)
     losses: List[List[tuple]] = [[] for _ in specs]
-    sent_sizes, recv_sizes = [], []
     prev = None
-    messages = 0
     for j in range(len(plan.rounds)):
         step = plan.step(j, rank)
         buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
@@ -505,19 +446,14 @@ def _exchange(tensors, names, compression, memory, stats, process_set, rank, n, 
         splits = [0] * n
         for dst in step.sends:
             splits[dst] = P
-        out, _ = hvd.alltoall(x, splits=tf.constant(splits, tf.int32),
-                              name=f"hgsgc_{plan.hierarchy}_{uid}_round{j}",
-                              ignore_name_scope=True, process_set=process_set)
+        out = comm.alltoall(x, splits, name=f"hgsgc_{plan.hierarchy}_{uid}_round{j}")
         prev = out
-        messages += len(step.sends)
-        sent_sizes.append(tf.size(x, out_type=tf.int64))
-        recv_sizes.append(tf.size(out, out_type=tf.int64))
         if not step.recvs:
             continue
         got = tf.reshape(out, [len(step.recvs), P])
         off = 0
         for i, (numel, k, p) in enumerate(specs):
-            received = [codec.decode(got[s, off:off + p], numel, k, bits)
+            received = [wire.decode(got[s, off:off + p], numel, k, bits)
                         for s in range(len(step.recvs))]
             if step.op == "adopt":
                 aggs[i] = received[0]
@@ -533,26 +469,18 @@ def _exchange(tensors, names, compression, memory, stats, process_set, rank, n, 
                 aggs[i] = (new_idx, q)
                 payloads[i] = pay
             off += p
-    updates = []
-    if comp.error_feedback:
-        for i, ((numel, k, p), name) in enumerate(zip(specs, names)):
-            idx, sent = local[i]
-            applied = tf.scatter_nd(idx[:, None], sent, [numel])
-            if losses[i]:
-                li = tf.concat([u for u, _ in losses[i]], 0)
-                lv = tf.concat([v for _, v in losses[i]], 0)
-                applied = applied - tf.scatter_nd(li[:, None], lv, [numel])
-            updates.append(memory.update(name, compensated[i], applied))
-    counted = [stats.add(exchanges=1, gradient_bytes=4 * d, payload_bytes=P, messages=messages,
-                         rounds=len(plan.rounds),
-                         dense_bytes=(2 * (n - 1) * 4 * d) // n if n > 1 else 0)]
-    if sent_sizes:
-        counted.append(stats.vars["bytes_sent"].assign_add(tf.add_n(sent_sizes)))
-        counted.append(stats.vars["bytes_received"].assign_add(tf.add_n(recv_sizes)))
+    comm.count(payload_bytes=P, rounds=len(plan.rounds))
+    contributed = []
+    for i, (numel, k, p) in enumerate(specs):
+        idx, sent = local[i]
+        applied = tf.scatter_nd(idx[:, None], sent, [numel])
+        if losses[i]:
+            li = tf.concat([u for u, _ in losses[i]], 0)
+            lv = tf.concat([v for _, v in losses[i]], 0)
+            applied = applied - tf.scatter_nd(li[:, None], lv, [numel])
+        contributed.append(applied)
     results = []
-    with tf.control_dependencies(updates + counted):
-        for t, (numel, k, p), (idx, vals) in zip(tensors, specs, aggs):
-            total = tf.scatter_nd(idx[:, None], vals, [numel])
-            avg = tf.reshape(total / float(n), t.shape)
-            results.append(tf.cast(avg, t.dtype))
-    return results
+    for (numel, k, p), (idx, vals) in zip(specs, aggs):
+        total = tf.scatter_nd(idx[:, None], vals, [numel])
+        results.append(total / float(n))
+    return results, contributed

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from hgsgc.communicator import Exchanger
 from hgsgc.compression import Compression, as_compression
+from hgsgc.compression.wrappers import CommunicationDelay, local_clip  # noqa: F401 (re-exported)
 
 
 def _var_names(variables):
@@ -45,46 +46,14 @@ def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, 
         raise ValueError("groups/num_groups are not needed: hgsgc sends one fused payload per step")
 
 
-def local_clip(grads, compression, n: int):
-    """Deep Gradient Compression's local gradient clipping (Lin et al. 2018, Sec. 3.2).
-
-    Scales the rank's floating-point gradients (a list; ``None`` and integer entries pass
-    through) by ``min(1, c / ||g||_2)`` with ``c = compression.local_clip_norm / sqrt(n)`` and
-    ``||g||_2`` the global L2 norm over all of them, computed in float32 whatever their dtypes
-    (the formula of ``tf.clip_by_global_norm``). A no-op when the setting has no
-    ``local_clip_norm``. Returns the list.
-    """
-    norm = getattr(compression, "local_clip_norm", None)
-    if not norm:
-        return list(grads)
-    out = list(grads)
-    keep = []
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        g = tf.convert_to_tensor(g)
-        if g.dtype.is_floating:
-            keep.append((i, g))
-    if not keep:
-        return out
-    total = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for _, g in keep]))
-    clip = float(norm) / float(n) ** 0.5
-    scale = clip / tf.maximum(total, clip)
-    for i, g in keep:
-        out[i] = g * tf.cast(scale, g.dtype)
-    return out
-
-
 class _HgsgcOptimizerMixin:
     """Methods mixed into the wrapped Keras legacy optimizer class."""
 
-    def _hgsgc_setup(self, compression, process_set, correction_momentum=0.0):
+    def _hgsgc_setup(self, compression, process_set, correction_momentum=None):
         self._hgsgc_compression = as_compression(compression)
-        self._hgsgc_mc_momentum = float(correction_momentum)
-        self._hgsgc_velocity = {}
-        self._hgsgc_exchanger = Exchanger(self._hgsgc_compression, process_set)
-        self._hgsgc_anchors = None
-        self._hgsgc_local_step = None
+        self._hgsgc_exchanger = Exchanger(self._hgsgc_compression, process_set,
+                                          momentum=correction_momentum)
+        self._hgsgc_delay = CommunicationDelay(self._hgsgc_compression.delay)
         self._hgsgc_sync_fn = None
         self._hgsgc_guard_setup()
 
@@ -96,6 +65,14 @@ class _HgsgcOptimizerMixin:
     @property
     def hgsgc_stats(self):
         return self._hgsgc_exchanger.stats
+
+    @property
+    def _hgsgc_anchors(self):
+        return self._hgsgc_delay.anchors
+
+    @property
+    def _hgsgc_local_step(self):
+        return self._hgsgc_delay.local_step
 
     # --- reliability guards (hgsgc.faults; docs/reliability.md) -------------------------------
     def _hgsgc_guard_setup(self):
@@ -191,18 +168,14 @@ class _HgsgcOptimizerMixin:
         sup = super()
         if delay == 1:
             def apply_synced(grads):
-                grads = local_clip(grads, self._hgsgc_compression, self._hgsgc_exchanger.size)
-                if getattr(self._hgsgc_compression, "momentum_correction", False):
-                    avg = self._hgsgc_corrected_exchange(grads, names)
-                else:
-                    avg = self._hgsgc_exchanger.exchange(grads, names)
+                avg = self._hgsgc_exchanger.exchange(grads, names)  # clip, DGC, EF inside
                 pairs = [(g, v) for g, v in zip(avg, variables) if g is not None]
                 return sup.apply_gradients(pairs, name=name,
                                            experimental_aggregate_gradients=experimental_aggregate_gradients)
 
             return self._hgsgc_guard([g for g, _ in grads_and_vars], variables, names,
                                      apply_synced, collective=True)
-        self._hgsgc_build_delay(variables)
+        self._hgsgc_delay.build(variables)
 
         def apply_local(grads):
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -212,71 +185,18 @@ class _HgsgcOptimizerMixin:
         done = self._hgsgc_guard([g for g, _ in grads_and_vars], variables, names, apply_local,
                                  collective=False)
         with tf.control_dependencies([done]):  # skipped or not: the sync schedule is the same
-            step = self._hgsgc_local_step.assign_add(1)
+            step = self._hgsgc_delay.local_step.assign_add(1)
             tf.cond(tf.equal(step % delay, 0), lambda: self._hgsgc_sync(variables, names),
                     lambda: tf.constant(False))
         return done
 
-    def _hgsgc_corrected_exchange(self, grads, names):
-        """DGC momentum correction + momentum factor masking around the exchange."""
-        m = self._hgsgc_mc_momentum
-        mem = self._hgsgc_exchanger.memory
-        us, r_old = [], []
-        for g, name in zip(grads, names):
-            if g is None:
-                us.append(None)
-                r_old.append(None)
-                continue
-            g = tf.convert_to_tensor(g)
-            if name not in self._hgsgc_velocity:
-                with tf.init_scope():
-                    self._hgsgc_velocity[name] = tf.Variable(
-                        tf.zeros(g.shape, tf.float32), trainable=False,
-                        name="hgsgc_velocity/" + name.replace(":", "_"))
-            u = m * self._hgsgc_velocity[name] + tf.cast(g, tf.float32)
-            us.append(u)
-            # the Exchanger keeps residuals flat ([numel])
-            r_old.append(tf.identity(mem.residual(name, [g.shape.num_elements()]))
-                         if g.dtype.is_floating and g.shape.num_elements() else None)
-        avg = self._hgsgc_exchanger.exchange(us, names)
-        ops = []
-        with tf.control_dependencies([a for a in avg if a is not None]):
-            for u, r0, name in zip(us, r_old, names):
-                if u is None:
-                    continue
-                if r0 is None or name not in mem.names():
-                    ops.append(self._hgsgc_velocity[name].assign(u))
-                    continue
-                # sent = (u + r_old) - r_new, exactly 0 where nothing was sent (same float ops)
-                flat = tf.reshape(u, [-1])
-                sent = (flat + r0) - mem.residual(name, flat.shape)
-                kept = tf.reshape(tf.where(tf.equal(sent, 0.0), flat, 0.0), u.shape)
-                ops.append(self._hgsgc_velocity[name].assign(kept))
-        with tf.control_dependencies(ops):
-            return [None if a is None else tf.identity(a) for a in avg]
-
     def _hgsgc_build_delay(self, variables):
-        if self._hgsgc_anchors is None:
-            with tf.init_scope():
-                self._hgsgc_local_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                     name="hgsgc_local_step")
-                self._hgsgc_anchors = [tf.Variable(v.read_value(), trainable=False,
-                                                   name="hgsgc_anchor_" + v.name.replace(":", "_"))
-                                       for v in variables]
-        if len(self._hgsgc_anchors) != len(variables):
-            raise ValueError("with delay > 1 every apply_gradients call must pass the same variables")
+        """Create the delay anchors and local step for ``variables`` now (checkpoint restore)."""
+        self._hgsgc_delay.build(variables)
 
     def _hgsgc_sync(self, variables, names):
         """Exchange the model delta since the last sync; all ranks end on identical weights."""
-        deltas = [a - v for a, v in zip(self._hgsgc_anchors, variables)]
-        avg = self._hgsgc_exchanger.exchange(deltas, names)
-        ops = []
-        for a, v, d in zip(self._hgsgc_anchors, variables, avg):
-            new = a - d
-            ops.append(v.assign(new))
-            ops.append(a.assign(new))
-        with tf.control_dependencies(ops):
-            return tf.constant(True)
+        return self._hgsgc_delay.sync(variables, names, self._hgsgc_exchanger.exchange)
 
     def hgsgc_set_density(self, density: float):
         """Change the density of a sparse compression (e.g. DGC's warm-up of sparsity).
@@ -294,7 +214,7 @@ class _HgsgcOptimizerMixin:
             raise ValueError(f"compression {comp.to_dict()} has no density to change")
         comp = dataclasses.replace(comp, density=float(density))
         self._hgsgc_compression = comp
-        self._hgsgc_exchanger.compression = comp
+        self._hgsgc_exchanger.compression = comp  # same state, new composition
 
     def hgsgc_synchronize(self, variables):
         """Run the pending sync now if local steps were taken since the last one (delay > 1).
@@ -306,38 +226,39 @@ class _HgsgcOptimizerMixin:
         Returns:
             True if an exchange ran.
         """
-        if self._hgsgc_compression.delay == 1 or self._hgsgc_anchors is None:
+        if self._hgsgc_compression.delay == 1 or self._hgsgc_delay.anchors is None:
             return False
-        if int(self._hgsgc_local_step.numpy()) % self._hgsgc_compression.delay == 0:
+        if int(self._hgsgc_delay.local_step.numpy()) % self._hgsgc_compression.delay == 0:
             return False
         variables = list(variables)
         if self._hgsgc_sync_fn is None:
             names = _var_names(variables)
             self._hgsgc_sync_fn = tf.function(lambda: self._hgsgc_sync(variables, names))
         self._hgsgc_sync_fn()
-        self._hgsgc_local_step.assign(0)
+        self._hgsgc_delay.local_step.assign(0)
         return True
 
     def hgsgc_state(self) -> dict:
-        """Serialisable hgsgc state: residuals (numpy), PowerSGD's warm-start factors
-        (``powersgd_q``) and, with delay, the sync anchors."""
-        state = {"residuals": self._hgsgc_exchanger.memory.state_dict()}
-        factors = self._hgsgc_exchanger.factor_state()
-        if factors:
-            state["powersgd_q"] = factors
-        if self._hgsgc_anchors is not None:
-            state["anchors"] = [a.numpy() for a in self._hgsgc_anchors]
-            state["local_step"] = int(self._hgsgc_local_step.numpy())
-        return state
+        """The full hgsgc state tree (plain nested dicts of numpy arrays and ints, for checkpoints).
+
+        Keys: ``residuals`` ``{name: float32 array}`` (error feedback), ``rng_step`` (int, the
+        random-number step of the sampled selector / TernGrad), ``stats`` ``{counter: int}``
+        (the byte counters of :class:`hgsgc.comm.CommStats`); when present ``velocity``
+        (DGC momentum correction), ``powersgd_q`` (PowerSGD warm-start factors) and, with
+        delay, ``anchors`` (list of arrays, one per variable) and ``local_step`` (int).
+        """
+        return {**self._hgsgc_exchanger.state_dict(), **self._hgsgc_delay.state_dict()}
 
     def load_hgsgc_state(self, state: dict):
-        """Restore :meth:`hgsgc_state` output (residuals; anchors once built)."""
-        self._hgsgc_exchanger.memory.load_state_dict(state.get("residuals", {}))
-        self._hgsgc_exchanger.load_factor_state(state.get("powersgd_q", {}))
-        if "anchors" in state and self._hgsgc_anchors is not None:
-            for a, s in zip(self._hgsgc_anchors, state["anchors"]):
-                a.assign(s)
-            self._hgsgc_local_step.assign(state["local_step"])
+        """Restore :meth:`hgsgc_state` output (anchors before the first step are kept and
+        applied when they are built).
+
+        Raises:
+            ValueError: a saved array's shape differs from the existing variable's.
+        """
+        self._hgsgc_exchanger.load_state_dict(
+            {k: v for k, v in state.items() if k not in ("anchors", "local_step")})
+        self._hgsgc_delay.load_state_dict(state)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -377,7 +298,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    correction_momentum = 0.0
+    correction_momentum = None
     if getattr(comp, "momentum_correction", False):
         if "momentum" not in config:
             raise ValueError(f"momentum_correction needs an optimizer with momentum; "
@@ -391,56 +312,96 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return new
 
 
-_TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids) -> (keep-alive refs, Exchanger)
+_TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
 
 
-def _tape_exchanger(comp, process_set, sources) -> Exchanger:
+def _tape_exchanger(comp, process_set, sources, momentum=None) -> Exchanger:
     """The Exchanger of tapes with this setting, process set and set of variables (a model)."""
     ids = tuple(id(v) if isinstance(v, tf.Variable) else None for v in sources)
-    key = (comp, id(process_set), ids)
+    key = (comp, id(process_set), ids, momentum)
     if key not in _TAPE_EXCHANGERS:
-        _TAPE_EXCHANGERS[key] = ((process_set, list(sources)), Exchanger(comp, process_set))
+        _TAPE_EXCHANGERS[key] = ((process_set, list(sources)),
+                                 Exchanger(comp, process_set, momentum=momentum))
     return _TAPE_EXCHANGERS[key][1]
 
 
 class DistributedGradientTape:
     """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged through ``compression``.
 
-    Same arguments as ``horovod.tensorflow.DistributedGradientTape``. Communication delay needs
-    the optimizer (it exchanges model deltas after local steps), so ``delay`` must be 1 here.
+    Same arguments as ``horovod.tensorflow.DistributedGradientTape``, plus ``momentum`` for
+    DGC. Every compression runs the same composition as through
+    :func:`DistributedOptimizer` (local clipping, momentum correction, error feedback, reducer),
+    except communication delay, which needs the optimizer (it exchanges model deltas after local
+    steps), so ``delay`` must be 1 here.
+
+    DGC (``Compression.dgc`` or any setting with ``momentum_correction``) needs the momentum
+    ``m``: pass ``momentum=m`` and apply the returned update with an optimizer whose momentum is
+    0 (the tape keeps the velocity ``u = m u + g`` and masks it, Lin et al. 2018); without
+    ``momentum`` the tape refuses the setting.
 
     As in Horovod, a new tape is usually wrapped every step (often inside a ``tf.function``), so
-    the compression state (residuals, PowerSGD's factors, TernGrad's draw counter, byte counts)
-    lives in one :class:`Exchanger` per (compression setting, process set, variables differentiated)
-    in the process, shared by every tape built with them: two models keep separate state even
-    when their layer names coincide. ``tape.exchanger`` is set by the first ``gradient()`` call.
+    the compression state (residuals, velocity, PowerSGD's factors, the random-number step, byte
+    counts) lives in one :class:`Exchanger` per (compression setting, process set, variables
+    differentiated, momentum) in the process, shared by every tape built with them: two models
+    keep separate state even when their layer names coincide. ``tape.exchanger`` is set by the
+    first ``gradient()`` call; :meth:`hgsgc_state` / :meth:`load_hgsgc_state` save and restore
+    the state tree.
 
     Raises:
-        ValueError: ``compression`` with ``delay > 1``, or an unsupported Horovod argument.
+        ValueError: ``compression`` with ``delay > 1``; momentum correction without
+            ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
-                 scale_local_gradients=True):
+                 scale_local_gradients=True, momentum=None):
         _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
         comp = as_compression(compression)
         if comp.delay != 1:
             raise ValueError("DistributedGradientTape exchanges every step: use "
                              "hgsgc.DistributedOptimizer for compression with delay > 1")
+        if getattr(comp, "momentum_correction", False):
+            if momentum is None:
+                raise ValueError(
+                    f"compression {comp.to_dict().get('method')} does DGC momentum correction, which "
+                    "needs the momentum: pass DistributedGradientTape(..., momentum=0.9) and apply "
+                    "the result with an optimizer whose momentum is 0, or use "
+                    "hgsgc.DistributedOptimizer(SGD(momentum=0.9), compression=...)")
+            if not (isinstance(momentum, (int, float)) and 0.0 <= float(momentum) < 1.0):
+                raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+            momentum = float(momentum)
+        else:
+            momentum = None
         self._tape = gradtape
-        self._comp, self._process_set = comp, process_set
+        self._comp, self._process_set, self._momentum = comp, process_set, momentum
+        self._pending_state = None
         self.exchanger = None
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         """Local gradients of ``target`` w.r.t. ``sources`` (any nest), averaged over ranks."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat_src = tf.nest.flatten(sources)
-        self.exchanger = _tape_exchanger(self._comp, self._process_set, flat_src)
-        flat_g = local_clip(tf.nest.flatten(grads, expand_composites=False),
-                            self.exchanger.compression, self.exchanger.size)
+        self.exchanger = _tape_exchanger(self._comp, self._process_set, flat_src, self._momentum)
+        if self._pending_state is not None:
+            self.exchanger.load_state_dict(self._pending_state)
+            self._pending_state = None
+        flat_g = tf.nest.flatten(grads, expand_composites=False)
         avg = self.exchanger.exchange(flat_g, _var_names(flat_src))
         return tf.nest.pack_sequence_as(grads, avg)
+
+    def hgsgc_state(self) -> dict:
+        """The state tree of this tape's exchanger (as ``DistributedOptimizer.hgsgc_state()``,
+        without delay keys); ``{}`` before the first ``gradient()`` call."""
+        return self.exchanger.state_dict() if self.exchanger is not None else {}
+
+    def load_hgsgc_state(self, state: dict):
+        """Restore :meth:`hgsgc_state` output (before the first ``gradient()`` call it is kept
+        and applied when the exchanger is found)."""
+        if self.exchanger is None:
+            self._pending_state = dict(state)
+        else:
+            self.exchanger.load_state_dict(state)
 
     def __getattr__(self, item):
         return getattr(self._tape, item)

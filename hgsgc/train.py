@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from hgsgc.costs import ring_allreduce_bytes_f as _ring
+
 
 def _setup_threads(threads: int):
     import tensorflow as tf
@@ -22,10 +24,6 @@ def _setup_threads(threads: int):
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     return threads
-
-
-def _ring(n, nbytes):
-    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
 
 def density_schedule(c):

@@ -4,9 +4,12 @@
 
     opt = hgsgc.DistributedOptimizer(opt, compression=hgsgc.Compression.sgc(density=0.005))
 
-Building blocks (each small, with explicit state): :mod:`.sparsify` (top-k selection),
-:mod:`.quantize` (2-bit values), :mod:`.codec` (wire payload), :mod:`.memory` (error feedback),
-:mod:`.terngrad` (stochastic ternary values), :mod:`.powersgd` (low-rank power iteration).
+Each setting below is a frozen dataclass that knows its payload by formula
+(``payload_bytes(shapes)``), its collective (``algorithm``) and how to build its composition
+(``build(env)`` -> :class:`~hgsgc.compression.wrappers.Pipeline`): codecs (:mod:`.codec` top-k +
+2-bit values, :mod:`.terngrad`), reducers (:mod:`.reducers`, PowerSGD's in
+:mod:`.powersgd`), wrappers (:mod:`.wrappers`: error feedback, momentum correction, local
+clipping, delay). Contracts and the method registry: :mod:`.base`; docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -58,6 +61,21 @@ class DenseCompression:
 
     def to_dict(self) -> dict:
         return {"method": self.kind, "delay": self.delay}
+
+    compressed = False
+    algorithm = "ring"
+
+    @property
+    def method(self) -> str:
+        return "localsgd" if self.delay > 1 else self.kind
+
+    def payload_bytes(self, shapes) -> int:
+        """``wire_bytes_per_entry * numel`` summed over float32 ``shapes`` (bytes)."""
+        return sum(self.wire_bytes_per_entry * _numel(s) for s in shapes)
+
+    def build(self, env):
+        """Dense settings never run the compressed pipeline (the Exchanger allreduces them)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,46 @@ class SparseCompression:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    compressed = True
+
+    @property
+    def algorithm(self) -> str:
+        """The collective: ``allgather``, ``tree`` or ``node`` (:mod:`hgsgc.costs`)."""
+        return self.hierarchy
+
+    def codec(self):
+        from hgsgc.compression.codec import TopKCodec
+
+        return TopKCodec(self.density, self.bits, self.selector)
+
+    def payload_bytes(self, shapes) -> int:
+        """Sum of the top-k codec's ``payload_length`` over float32 ``shapes`` (bytes)."""
+        codec = self.codec()
+        return sum(codec.payload_length(_numel(s)) for s in shapes)
+
+    def build(self, env):
+        """[local clip] -> [momentum correction] -> [error feedback] -> allgather | tree | node.
+
+        Raises:
+            ValueError: momentum correction without the optimizer's momentum (``env.momentum``).
+        """
+        from hgsgc.compression.reducers import Allgather, Hierarchical
+        from hgsgc.compression.wrappers import ErrorFeedback, MomentumCorrection, Pipeline
+
+        codec = self.codec()
+        red = Allgather(codec) if self.hierarchy == "allgather" else Hierarchical(codec, env.plan)
+        if self.error_feedback:
+            red = ErrorFeedback(red, env.stores["residuals"])
+        if self.momentum_correction:
+            if env.momentum is None:
+                raise ValueError(
+                    f"compression {self.method} does momentum correction (Lin et al. 2018), which "
+                    "needs the optimizer's momentum: use hgsgc.DistributedOptimizer(SGD(momentum=m), "
+                    "compression=...), or DistributedGradientTape(..., momentum=m) with an optimizer "
+                    "whose momentum is 0")
+            red = MomentumCorrection(red, env.momentum, env.store("velocity"))
+        return Pipeline(red, self.local_clip_norm)
+
 
 @dataclass(frozen=True)
 class TernGradCompression:
@@ -164,6 +222,21 @@ class TernGradCompression:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    compressed = True
+    algorithm = "allgather"
+
+    def payload_bytes(self, shapes) -> int:
+        """``ceil(numel / 4) + 4`` per non-empty float32 tensor of ``shapes`` (bytes)."""
+        from hgsgc.compression import terngrad
+
+        return sum(terngrad.payload_bytes(_numel(s)) for s in shapes if _numel(s))
+
+    def build(self, env):
+        from hgsgc.compression.terngrad import TernGradReducer
+        from hgsgc.compression.wrappers import Pipeline
+
+        return Pipeline(TernGradReducer(self.clip_sigma))
 
 
 @dataclass(frozen=True)
@@ -198,6 +271,28 @@ class PowerSGDCompression:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    compressed = True
+    algorithm = "ring"
+
+    def payload_bytes(self, shapes) -> int:
+        """``4 (m + p) q`` per compressed matrix, ``4 numel`` otherwise (bytes)."""
+        from hgsgc.compression import powersgd
+
+        return sum(powersgd.payload_bytes(s, self.rank) for s in shapes)
+
+    def build(self, env):
+        from hgsgc.compression.powersgd import PowerSGDReducer
+        from hgsgc.compression.wrappers import ErrorFeedback, Pipeline
+
+        red = PowerSGDReducer(self.rank, env.store("powersgd_q"))
+        if self.error_feedback:
+            red = ErrorFeedback(red, env.stores["residuals"])
+        return Pipeline(red)
+
+
+def _numel(shape) -> int:
+    return int(math.prod(int(d) for d in shape)) if len(shape) else 1
 
 
 def _check_positive(name, value, fix):
@@ -275,7 +370,7 @@ def as_compression(compression):
     Raises:
         TypeError: anything else, naming the accepted values.
     """
-    if isinstance(compression, COMPRESSIONS):
+    if isinstance(compression, COMPRESSIONS) or isinstance(compression, _registered_settings()):
         return compression
     try:
         import horovod.tensorflow as hvd
@@ -289,7 +384,8 @@ def as_compression(compression):
     raise TypeError(
         f"compression={compression!r} is not supported: use hgsgc.Compression.none, .fp16, "
         ".topk(density), .sgc(density, bits, delay), .localsgd(delay), .dgc(density), "
-        ".terngrad() or .powersgd(rank)")
+        ".terngrad(), .powersgd(rank) or another registered method "
+        f"({', '.join(base.method_names())})")
 
 
 COMPRESSIONS = (DenseCompression, SparseCompression, TernGradCompression, PowerSGDCompression)
@@ -304,6 +400,47 @@ def _stock_horovod_error(comp, *args, **kwargs):
         f"hgsgc.DistributedOptimizer(opt, compression=...) or hgsgc.DistributedGradientTape("
         f"tape, compression=...), which take the same arguments as Horovod's")
 
+
+def _registered_settings() -> tuple:
+    return tuple(t for m in base.METHODS.values() for t in m.settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in methods and how the config section builds each (hgsgc.config takes them from here).
+
+def _bits(c, method):
+    if c.bits is not None:
+        return c.bits
+    return 2 if method == "sgc" else 32
+
+
+def _sparse_from_config(method):
+    def build(c, *, delay=None, hierarchy=None):
+        return SparseCompression(
+            density=c.density, bits=_bits(c, method), delay=c.delay if delay is None else delay,
+            hierarchy=c.hierarchy if hierarchy is None else hierarchy, selector=c.selector,
+            error_feedback=c.error_feedback, method=method,
+            momentum_correction=c.momentum_correction or method == "dgc",
+            local_clip_norm=c.local_clip_norm or None)
+    return build
+
+
+from hgsgc.compression import base  # noqa: E402
+
+base.register("none", lambda: Compression.none, lambda c, **_: DenseCompression("none"),
+              settings=(DenseCompression,))
+base.register("fp16", lambda: Compression.fp16, lambda c, **_: DenseCompression("fp16"))
+for _m in ("topk", "sgc"):
+    base.register(_m, getattr(Compression, _m), _sparse_from_config(_m), sparse=True,
+                  settings=(SparseCompression,))
+base.register("localsgd", Compression.localsgd, lambda c, **_: Compression.localsgd(c.delay))
+base.register("dgc", Compression.dgc, _sparse_from_config("dgc"), sparse=True)
+base.register("terngrad", Compression.terngrad,
+              lambda c, **_: Compression.terngrad(clip_sigma=c.terngrad_clip_sigma),
+              settings=(TernGradCompression,))
+base.register("powersgd", Compression.powersgd,
+              lambda c, **_: Compression.powersgd(rank=c.powersgd_rank, error_feedback=c.error_feedback),
+              settings=(PowerSGDCompression,))
 
 for _cls in (SparseCompression, TernGradCompression, PowerSGDCompression):
     _cls.compress = _stock_horovod_error

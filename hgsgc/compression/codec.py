@@ -105,25 +105,64 @@ def decode(payload: tf.Tensor, numel: int, k: int, bits: int):
 def exchange_payload_bytes(compression, shapes) -> int:
     """A rank's payload in bytes for one exchange of float32 tensors of ``shapes``.
 
-    Sparse settings: the sum of :func:`payload_length` with ``k = num_selected(numel, density)``;
-    TernGrad: ``ceil(numel / 4) + 4`` per tensor; PowerSGD: ``4 (m + p) q`` per compressed
-    matrix, ``4 numel`` otherwise; dense settings: ``wire_bytes_per_entry * numel`` (4 for
-    fp32, 2 for fp16).
-    """
-    from hgsgc.compression import (PowerSGDCompression, SparseCompression, TernGradCompression,
-                                   as_compression, powersgd, terngrad)
-    from hgsgc.compression.sparsify import num_selected
+    The setting's own formula (``setting.payload_bytes(shapes)``): sparse settings sum
+    :func:`payload_length` with ``k = num_selected(numel, density)``; TernGrad:
+    ``ceil(numel / 4) + 4`` per tensor; PowerSGD: ``4 (m + p) q`` per compressed matrix, ``4 numel``
+    otherwise; dense settings: ``wire_bytes_per_entry * numel`` (4 for fp32, 2 for fp16).
 
-    comp = as_compression(compression)
-    total = 0
-    for s in shapes:
-        numel = int(math.prod(s)) if len(s) else 1
-        if isinstance(comp, TernGradCompression):
-            total += terngrad.payload_bytes(numel) if numel else 0
-        elif isinstance(comp, PowerSGDCompression):
-            total += powersgd.payload_bytes(s, comp.rank)
-        elif isinstance(comp, SparseCompression):
-            total += payload_length(numel, num_selected(numel, comp.density), comp.bits)
-        else:
-            total += comp.wire_bytes_per_entry * numel
-    return total
+    Raises:
+        TypeError: ``compression`` is not a supported setting.
+    """
+    from hgsgc.compression import as_compression
+
+    return as_compression(compression).payload_bytes(shapes)
+
+
+class TopKCodec:
+    """Top-k selection + the wire codec above: a stateless :class:`hgsgc.compression.base.Codec`.
+
+    Args:
+        density: fraction kept, ``k = num_selected(numel, density)``.
+        bits: 2 (2-bit codes + [lo, hi] scales) or 32 (fp32 values).
+        selector: ``"exact"`` top-k or ``"sampled"`` threshold (seeded by the exchange's
+            random-number step: ``[step mod 2^30, 1013]``); both select the same entries.
+    """
+
+    def __init__(self, density: float, bits: int, selector: str = "exact"):
+        self.density, self.bits, self.selector = density, bits, selector
+
+    def k(self, numel: int) -> int:
+        from hgsgc.compression.sparsify import num_selected
+
+        return num_selected(numel, self.density)
+
+    def payload_length(self, numel: int) -> int:
+        """:func:`payload_length` with ``k = num_selected(numel, density)``."""
+        return payload_length(numel, self.k(numel), self.bits)
+
+    def select(self, a, k: int, ctx):
+        """``(indices int32 [k] ascending, values float32 [k])`` of float32 ``a`` ``[numel]``."""
+        from hgsgc.compression.sparsify import exact_topk, sampled_threshold_topk
+
+        if self.selector == "sampled":
+            seed = tf.stack([tf.cast(ctx.step % 2**30, tf.int32), tf.constant(1013, tf.int32)])
+            return sampled_threshold_topk(a, k, seed=seed)
+        return exact_topk(a, k)
+
+    def encode_sparse(self, a, ctx):
+        """``(payload, indices [k], sent values [k])`` of float32 ``a`` ``[numel]``."""
+        numel = int(a.shape[0])
+        idx, vals = self.select(a, self.k(numel), ctx)
+        payload, sent = encode(idx, vals, numel, self.bits)
+        return payload, idx, sent
+
+    def encode(self, a, ctx, index: int):
+        """``(payload uint8 [payload_length], sent float32 [numel] dense)``."""
+        numel = int(a.shape[0])
+        payload, idx, sent = self.encode_sparse(a, ctx)
+        return payload, tf.scatter_nd(idx[:, None], sent, [numel])
+
+    def decode(self, payload, numel: int):
+        """uint8 payload -> float32 ``[numel]`` (zeros off the selection)."""
+        idx, vals = decode(payload, numel, self.k(numel), self.bits)
+        return tf.scatter_nd(idx[:, None], vals, [numel])

@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import List
 
+from hgsgc.costs import exchange_bytes  # noqa: F401 (re-exported; the one module of cost formulas)
+
 
 @dataclass(frozen=True)
 class CostInputs:
@@ -64,26 +66,6 @@ class CostInputs:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def exchange_bytes(k: int, payload: float, algorithm: str = "ring", delay: int = 1) -> float:
-    """Bytes the busiest rank sends per step in an exchange among ``k`` ranks.
-
-    ``algorithm``: ``ring`` (dense allreduce), ``allgather`` (sparse payloads), ``tree`` /
-    ``node`` (hierarchical top-k reduction, :mod:`hgsgc.hierarchy`; ``node`` modelled as ``tree``).
-    """
-    if k <= 1:
-        return 0.0
-    if algorithm == "ring":
-        per = 2.0 * (k - 1) / k * payload
-    elif algorithm == "allgather":
-        per = (k - 1) * payload
-    elif algorithm in ("tree", "node"):
-        L = k.bit_length() - 1
-        per = (L + (2 if k > (1 << L) else 0)) * payload
-    else:
-        raise ValueError(f"unknown exchange algorithm {algorithm!r}")
-    return per / delay
 
 
 def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:
@@ -206,6 +188,5 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
 
 
 def _algorithm(comp) -> str:
-    from hgsgc.compression import SparseCompression
-
-    return comp.hierarchy if isinstance(comp, SparseCompression) else "ring"
+    """The setting's collective (``ring``, ``allgather``, ``tree`` or ``node``)."""
+    return comp.algorithm

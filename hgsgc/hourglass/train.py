@@ -16,24 +16,14 @@ import time
 
 import numpy as np
 
+from hgsgc.costs import ring_allreduce_bytes_f as _ring
+
 
 def fc_compression_from_config(cfg):
-    """Compression among FC ranks: ``hourglass.fc_method`` (none | fp16 | topk | sgc).
+    """Compression among FC ranks: :func:`hgsgc.config.fc_compression_from_config`."""
+    from hgsgc.config import fc_compression_from_config as convert
 
-    ``topk``/``sgc`` take density, bits, selector and error feedback from the ``compression``
-    section; the FC exchange always runs every step (delay 1).
-    """
-    from hgsgc.compression import Compression, DenseCompression
-    from hgsgc.config import resolved_bits
-
-    c, m = cfg.compression, cfg.hourglass.fc_method
-    if m in ("none", "fp16"):
-        return DenseCompression(m)
-    bits = resolved_bits(c, m)
-    if m == "topk":
-        return Compression.topk(c.density, bits=bits, selector=c.selector, error_feedback=c.error_feedback)
-    return Compression.sgc(c.density, bits=bits, delay=1, hierarchy=c.hierarchy,
-                           selector=c.selector, error_feedback=c.error_feedback)
+    return convert(cfg)
 
 
 def phase_profile(records) -> dict:
@@ -61,10 +51,6 @@ def phase_profile(records) -> dict:
         rec["other_s"] = rec["step_s"] - sum(rec[k] for k in ks)
         out[role] = rec
     return out
-
-
-def _ring(n, nbytes):
-    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
 
 def role_figures(snaps, layout, d_role, steps, compression) -> dict:

@@ -1,0 +1,125 @@
+"""Reducers: how the ranks' payloads meet (:class:`hgsgc.compression.base.Reducer`).
+
+Bytes per rank per exchange come from :mod:`hgsgc.costs` through the collectives of
+:class:`hgsgc.comm.Communicator`; each reducer records its own payload bytes.
+
+* :class:`DenseAllreduce`: Horovod ring allreduce (average) of the tensors as they are
+  (fp32, or fp16 on the wire); payload ``w d`` (``w`` = 4 fp32, 2 fp16), sent = received =
+  ``2 (n - 1) / n * w d``. Also used for integer tensors under any setting.
+* :class:`Allgather`: every rank encodes with a codec, one ``allgather`` of the concatenated
+  payloads (``P`` bytes per rank; sent = received = ``(n - 1) P``), every rank decodes all ``n``
+  payloads, sums them in rank order and divides by ``n``.
+* :class:`Hierarchical`: the top-k reduction of :mod:`hgsgc.hierarchy` (``tree`` / ``node``).
+
+TernGrad's and PowerSGD's reducers live with their algorithms (:mod:`.terngrad`,
+:mod:`.powersgd`). A C++ kernel plugs in as a codec (``encode`` / ``decode`` of
+:class:`~hgsgc.compression.base.Codec`) or as a reducer with the same ``reduce`` contract.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hgsgc.compression.base import Codec, Context, Reducer
+
+
+class DenseAllreduce:
+    """Horovod grouped ring allreduce (average) of raw tensors (any dtype, any shape).
+
+    Args:
+        wire_bytes_per_entry: 4 (fp32) or 2 (fp16 on the wire) for floating tensors; integer
+            tensors count their own item size.
+        horovod_compression: ``hvd.Compression.none`` or ``.fp16``.
+    """
+
+    def __init__(self, wire_bytes_per_entry: int = 4, horovod_compression=None):
+        self.per_entry = wire_bytes_per_entry
+        self.hvd_comp = horovod_compression if horovod_compression is not None else hvd.Compression.none
+
+    def payload_bytes(self, tensors) -> int:
+        return sum(int(t.shape.num_elements()) * (self.per_entry if t.dtype.is_floating else t.dtype.size)
+                   for t in tensors)
+
+    def reduce_raw(self, tensors: List[tf.Tensor], ctx: Context) -> List[tf.Tensor]:
+        """The averages (same shapes and dtypes); records ``payload_bytes``.
+
+        fp16 on the wire: ``sum_r fp16(x_r / n)`` (scaled by ``1/n`` BEFORE the fp16 cast, op Sum),
+        so values whose sum over ranks exceeds the float16 range (65504) but whose average does
+        not stay finite (Horovod's ``Compression.fp16`` with ``op=Average`` casts first and sums
+        in fp16, giving inf); integer tensors are averaged uncompressed in a second call.
+        """
+        payload = self.payload_bytes(tensors)
+        ctx.comm.count(payload_bytes=payload)
+        n = ctx.comm.size
+        if self.hvd_comp is not hvd.Compression.fp16 or n == 1:
+            return ctx.comm.grouped_allreduce(list(tensors), op=hvd.Average,
+                                              compression=self.hvd_comp, payload_bytes=payload)
+        out = list(tensors)
+        fl = [i for i, t in enumerate(tensors) if t.dtype.is_floating]
+        other = [i for i, t in enumerate(tensors) if not t.dtype.is_floating]
+        if fl:
+            scaled = [tf.cast(tf.cast(tensors[i], tf.float32) / float(n), tf.float16) for i in fl]
+            summed = ctx.comm.grouped_allreduce(scaled, op=hvd.Sum)
+            for i, r in zip(fl, summed):
+                out[i] = tf.cast(r, tensors[i].dtype)
+        if other:
+            avg = ctx.comm.grouped_allreduce([tensors[i] for i in other], op=hvd.Average)
+            for i, r in zip(other, avg):
+                out[i] = r
+        return out
+
+
+class Allgather(Reducer):
+    """Flat exchange of codec payloads through one allgather (module docstring).
+
+    ``contributed`` is this rank's decoded payload (``sent``), all of which is in the sum.
+    """
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def reduce(self, views, names, ctx: Context):
+        n = ctx.comm.size
+        payloads, sents, sizes = [], [], []
+        for i, a in enumerate(views):
+            payload, sent = self.codec.encode(a, ctx, i)
+            payloads.append(payload)
+            sents.append(sent)
+            sizes.append(int(payload.shape[0]))
+        P = sum(sizes)
+        buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
+        gathered = tf.reshape(ctx.comm.allgather(buf), [n, P])
+        ctx.comm.count(payload_bytes=P)
+        avgs, off = [], 0
+        for a, p in zip(views, sizes):
+            numel = int(a.shape[0])
+            dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
+            off += p
+            total = tf.add_n(dense) if n > 1 else dense[0]
+            avgs.append(total / float(n))
+        return avgs, sents
+
+
+class Hierarchical(Reducer):
+    """``hierarchy="tree"`` / ``"node"``: top-k reduction along a schedule (:mod:`hgsgc.hierarchy`).
+
+    ``contributed`` is this rank's payload minus the pieces of the merges this rank keeps
+    (dropped entries, re-quantization error), so error feedback preserves the mass identity
+    ``sum_r a_r = n * average + sum_r e_r'``.
+
+    Args:
+        codec: a :class:`hgsgc.compression.codec.TopKCodec`.
+        plan: zero-argument callable returning the :class:`hgsgc.hierarchy.Plan`.
+    """
+
+    def __init__(self, codec, plan):
+        self.codec = codec
+        self.plan = plan
+
+    def reduce(self, views, names, ctx: Context):
+        from hgsgc import hierarchy
+
+        plan = self.plan()
+        return hierarchy.exchange(views, codec=self.codec, ctx=ctx, plan=plan)
