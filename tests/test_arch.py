@@ -172,6 +172,7 @@ def test_every_setting_reports_payload_and_algorithm():
     for comp, alg in ((hgsgc.Compression.none, "ring"), (hgsgc.Compression.topk(0.1), "allgather"),
                       (hgsgc.Compression.sgc(0.1, hierarchy="node"), "node"),
                       (hgsgc.Compression.terngrad(), "allgather"),
-                      (hgsgc.Compression.powersgd(2), "ring")):
+                      (hgsgc.Compression.powersgd(2), "ring"),
+                      (hgsgc.Compression.efsignsgd(), "allgather")):
         assert comp.algorithm == alg
         assert comp.payload_bytes(shapes) == hgsgc.compression.codec.exchange_payload_bytes(comp, shapes)

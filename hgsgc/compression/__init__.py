@@ -7,7 +7,7 @@
 Each setting below is a frozen dataclass that knows its payload by formula
 (``payload_bytes(shapes)``), its collective (``algorithm``) and how to build its composition
 (``build(env)`` -> :class:`~hgsgc.compression.wrappers.Pipeline`): codecs (:mod:`.codec` top-k +
-2-bit values, :mod:`.terngrad`), reducers (:mod:`.reducers`, PowerSGD's in
+2-bit values, :mod:`.terngrad`, :mod:`.signsgd`), reducers (:mod:`.reducers`, PowerSGD's in
 :mod:`.powersgd`), wrappers (:mod:`.wrappers`: error feedback, momentum correction, local
 clipping, delay). Contracts and the method registry: :mod:`.base`; docs/architecture.md.
 """
@@ -442,6 +442,10 @@ base.register("powersgd", Compression.powersgd,
               lambda c, **_: Compression.powersgd(rank=c.powersgd_rank, error_feedback=c.error_feedback),
               settings=(PowerSGDCompression,))
 
-for _cls in (SparseCompression, TernGradCompression, PowerSGDCompression):
-    _cls.compress = _stock_horovod_error
-    _cls.decompress = _stock_horovod_error
+# Methods in their own files register themselves on import (one line each).
+from hgsgc.compression import signsgd  # noqa: E402,F401
+
+for _cls in _registered_settings():  # compressed settings refuse to run in stock Horovod
+    if _cls is not DenseCompression:
+        _cls.compress = _stock_horovod_error
+        _cls.decompress = _stock_horovod_error
