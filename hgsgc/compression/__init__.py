@@ -427,6 +427,14 @@ def _sparse_from_config(method):
 
 from hgsgc.compression import base  # noqa: E402
 
+
+def _add_factory(method):
+    if not hasattr(Compression, method.name):
+        setattr(Compression, method.name, staticmethod(method.factory))
+
+
+base._LISTENERS.append(_add_factory)
+
 base.register("none", lambda: Compression.none, lambda c, **_: DenseCompression("none"),
               settings=(DenseCompression,))
 base.register("fp16", lambda: Compression.fp16, lambda c, **_: DenseCompression("fp16"))

@@ -223,6 +223,7 @@ class Method:
 
 
 METHODS: Dict[str, Method] = {}
+_LISTENERS: List[Callable] = []  # hgsgc.compression adds Compression.<name> through one of these
 
 
 def register(name: str, factory: Callable, from_config: Callable, *, sparse: bool = False,
@@ -236,10 +237,8 @@ def register(name: str, factory: Callable, from_config: Callable, *, sparse: boo
         raise ValueError(f"compression method {name!r} is registered twice")
     m = Method(name, factory, from_config, sparse, tuple(settings))
     METHODS[name] = m
-    from hgsgc.compression import Compression
-
-    if not hasattr(Compression, name):
-        setattr(Compression, name, staticmethod(factory))
+    for listener in _LISTENERS:
+        listener(m)
     return m
 
 
