@@ -78,7 +78,7 @@ class Exchanger:
     @compression.setter
     def compression(self, value):
         comp = as_compression(value)
-        env = BuildEnv(self.stores, momentum=self.momentum, plan=self.plan, size=self.comm.size)
+        env = BuildEnv(self.stores, momentum=self.momentum, plan=self.plan)
         self.pipeline = comp.build(env) if comp.compressed else None
         self._compression = comp
         comp_dense = comp if isinstance(comp, DenseCompression) else DenseCompression("none")

@@ -182,14 +182,13 @@ class BuildEnv:
         stores: ``key -> VariableStore``; :meth:`store` creates one per key on demand and the
             exchanger saves them all (``residuals`` is always there).
         momentum: the optimizer's momentum for DGC momentum correction (None: not available).
-        plan: zero-argument callable returning the tree / node schedule.
-        size: ranks in the process set.
+        plan: zero-argument callable returning the tree / node schedule (built at the first
+            exchange, when Horovod is initialised).
     """
 
     stores: Dict[str, object]
     momentum: Optional[float] = None
     plan: Optional[Callable] = None
-    size: int = 1
 
     def store(self, key: str, prefix: Optional[str] = None):
         from hgsgc.compression.memory import VariableStore
