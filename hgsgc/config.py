@@ -244,6 +244,8 @@ def validate(cfg: Config) -> None:
         bad("checkpoint.keep", k.keep, "must be >= 1 (complete checkpoints kept)")
     if not k.resume:
         bad("checkpoint.resume", k.resume, "use auto, never or a checkpoint folder")
+    if cfg.faults.nonfinite == "False":  # YAML reads an unquoted off as false
+        cfg.faults.nonfinite = "off"
     if cfg.faults.nonfinite not in ("skip", "raise", "off"):
         bad("faults.nonfinite", cfg.faults.nonfinite, "use skip (skip the step on every rank), raise "
                                                       "or off (no check, no extra allreduce)")

@@ -217,6 +217,9 @@ def test_config_checkpoint_and_fault_keys_validated():
     cfg = load_config(None, ["checkpoint.every_steps=5", "checkpoint.resume=never",
                              "faults.nonfinite=raise", "faults.stall_timeout_s=30"])
     assert cfg.checkpoint.every_steps == 5 and cfg.faults.nonfinite == "raise"
+    # YAML reads an unquoted off as false: both spellings mean off
+    assert load_config(None, ["faults.nonfinite=off"]).faults.nonfinite == "off"
+    assert load_config(None, ["faults.nonfinite='off'"]).faults.nonfinite == "off"
     for bad, words in (("checkpoint.keep=0", "checkpoint.keep"),
                        ("faults.nonfinite=ignore", "faults.nonfinite"),
                        ("checkpoint.every_minutes=-1", "checkpoint.every_minutes")):
