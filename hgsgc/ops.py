@@ -63,6 +63,7 @@ __all__ = [
     "compress_reference",
     "compress_into",
     "set_compression_backend",
+    "use_compression_kernels",
     "decode_accumulate",
     "decode_accumulate_reference",
 ]
@@ -202,6 +203,13 @@ def set_compression_backend(name):
 
 def _resolve_compression(backend):
     return _resolve(_compression_backend if backend is None else backend)
+
+
+def use_compression_kernels():
+    """Whether the fused compression ops run their C++ kernels under the module setting
+    (``"auto"`` and the library loads, or ``"custom"``); else the pure-TF reference path
+    (warned once by ``"auto"`` when the library is missing)."""
+    return _resolve_compression(None) == "custom"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -141,9 +141,16 @@ class TopKCodec:
         return payload_length(numel, self.k(numel), self.bits)
 
     def select(self, a, k: int, ctx):
-        """``(indices int32 [k] ascending, values float32 [k])`` of float32 ``a`` ``[numel]``."""
+        """``(indices int32 [k] ascending, values float32 [k])`` of float32 ``a`` ``[numel]``.
+
+        The fused kernel ``hgsgc.ops.topk_select`` where the kernels are built (exact top-k by a
+        sampled threshold and one pass, seeded by ``ctx.step``), else the selector below; all
+        three select the same entries.
+        """
         from hgsgc.compression.sparsify import exact_topk, sampled_threshold_topk
 
+        if ops.use_compression_kernels():
+            return ops.topk_select(a, k, seed=ctx.step, backend="custom")
         if self.selector == "sampled":
             seed = tf.stack([tf.cast(ctx.step % 2**30, tf.int32), tf.constant(1013, tf.int32)])
             return sampled_threshold_topk(a, k, seed=seed)
@@ -153,7 +160,10 @@ class TopKCodec:
         """``(payload, indices [k], sent values [k])`` of float32 ``a`` ``[numel]``."""
         numel = int(a.shape[0])
         idx, vals = self.select(a, self.k(numel), ctx)
-        payload, sent = encode(idx, vals, numel, self.bits)
+        if ops.use_compression_kernels():  # fused quantize + pack (same bytes as encode())
+            payload, sent = ops.sparse_encode(idx, vals, numel, self.bits, backend="custom")
+        else:
+            payload, sent = encode(idx, vals, numel, self.bits)
         return payload, idx, sent
 
     def encode(self, a, ctx, index: int):
@@ -166,3 +176,22 @@ class TopKCodec:
         """uint8 payload -> float32 ``[numel]`` (zeros off the selection)."""
         idx, vals = decode(payload, numel, self.k(numel), self.bits)
         return tf.scatter_nd(idx[:, None], vals, [numel])
+
+    def decode_sum(self, gathered, numel: int, offset: int):
+        """Rank-order sum of every row's payload at byte ``offset`` of uint8 ``gathered``
+        ``[n, P]``: float32 ``[numel]`` (``hgsgc.ops.decode_accumulate``: one pass per payload,
+        no per-rank dense tensor; pure-TF reference: one ``tf.scatter_nd`` of all entries)."""
+        return ops.decode_accumulate(gathered, numel, self.k(numel), self.bits, offset=offset)
+
+    def compress_into(self, x, residual, ctx):
+        """Error feedback fused with encoding: ``a = x + residual``, payload of ``a``'s top-k,
+        and ``residual = a - decode(payload)`` written in place (``hgsgc.ops.compress_into``).
+
+        Args:
+            x: float32 ``[numel]``; residual: float32 ``tf.Variable`` of ``numel`` entries.
+
+        Returns:
+            uint8 ``[payload_length(numel)]`` (the bytes :meth:`encode` gives for ``a``).
+        """
+        numel = int(x.shape[0])
+        return ops.compress_into(x, residual, self.k(numel), self.bits, seed=ctx.step)

@@ -80,11 +80,19 @@ class Allgather(Reducer):
     def __init__(self, codec: Codec):
         self.codec = codec
 
-    def reduce(self, views, names, ctx: Context):
+    def reduce(self, views, names, ctx: Context, residuals=None):
+        """See :class:`Reducer`. ``residuals`` (error feedback fused into the codec, from
+        :class:`hgsgc.compression.wrappers.ErrorFeedback`): one float32 ``tf.Variable`` per view;
+        the codec's ``compress_into`` compensates, encodes and updates them in place, and the
+        views are the uncompensated tensors."""
         n = ctx.comm.size
         payloads, sents, sizes = [], [], []
         for i, a in enumerate(views):
-            payload, sent = self.codec.encode(a, ctx, i)
+            if residuals is not None:
+                payload = self.codec.compress_into(a, residuals[i], ctx)
+                sent = self.codec.decode(payload, int(a.shape[0]))  # pruned in graphs if unused
+            else:
+                payload, sent = self.codec.encode(a, ctx, i)
             payloads.append(payload)
             sents.append(sent)
             sizes.append(int(payload.shape[0]))
@@ -95,9 +103,12 @@ class Allgather(Reducer):
         avgs, off = [], 0
         for a, p in zip(views, sizes):
             numel = int(a.shape[0])
-            dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
+            if hasattr(self.codec, "decode_sum"):  # all n payloads in one pass each (hgsgc.ops)
+                total = self.codec.decode_sum(gathered, numel, off)
+            else:
+                dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
+                total = tf.add_n(dense) if n > 1 else dense[0]
             off += p
-            total = tf.add_n(dense) if n > 1 else dense[0]
             avgs.append(total / float(n))
         return avgs, sents
 

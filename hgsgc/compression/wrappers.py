@@ -36,6 +36,14 @@ class ErrorFeedback(Wrapper):
 
     def reduce(self, views, names, ctx: Context):
         feedback = [self.inner.feedback(v) for v in views]
+        from hgsgc.compression.reducers import Allgather
+
+        if (isinstance(self.inner, Allgather) and hasattr(self.inner.codec, "compress_into")
+                and all(feedback)):
+            # fused path (hgsgc.ops.compress_into): compensate, encode and update the residual
+            # in place in one pass over each tensor; same residuals and payloads bit for bit
+            residuals = [self.memory.residual(nm, v.shape) for nm, v in zip(names, views)]
+            return self.inner.reduce(views, names, ctx, residuals=residuals)
         comp = [self.memory.compensate(nm, v) if fb else v
                 for v, nm, fb in zip(views, names, feedback)]
         avgs, contributed = self.inner.reduce(comp, names, ctx)
