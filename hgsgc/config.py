@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hgsgc.compression import base as _methods
-from hgsgc.data import DEFAULT_PATH
-from hgsgc.models import MODELS
+from hgsgc.models import BOUNDARY, MODELS, TASK_OF, WHY_NO_BOUNDARY
+from hgsgc.tasks import FORMATS, TASK_OF_FORMAT
 
 METHODS = _methods.method_names()  # the registry of hgsgc.compression (a new method adds itself)
 SPARSE_METHODS = tuple(m for m, spec in _methods.METHODS.items() if spec.sparse)
@@ -38,14 +38,25 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    path: str = DEFAULT_PATH
-    train_limit: int = 0  # 0 = all 60,000 training images
-    test_limit: int = 0  # 0 = all 10,000 test images
+    format: str = "fashion_mnist"  # fashion_mnist | cifar10 | imagenet_jpeg | imagenet_tfrecord | ptb | librispeech
+    path: Optional[str] = None  # default: the offline default of the format (hgsgc.tasks.DEFAULT_DATA)
+    train_limit: int = 0  # 0 = all training examples (PTB: tokens)
+    test_limit: int = 0  # 0 = all test examples
+    train_split: Optional[str] = None  # ImageNet / LibriSpeech split folder (default: train, train-clean-100)
+    test_split: Optional[str] = None  # default: val / validation / test-clean
+    image_size: int = 0  # ImageNet crop size; 0 = 224
+    num_classes: int = 0  # ImageNet TFRecord classes; 0 = 1000
+    vocab_size: int = 10000  # PTB vocabulary (with <unk> and <eos>)
+    bptt: int = 20  # PTB steps of truncated backpropagation through time
+    n_mels: int = 40  # LibriSpeech log-mel bins
 
 
 @dataclass
 class ModelConfig:
     name: str = "alexnet_small"
+    width: float = 1.0  # channel / FC-unit multiplier (resnet20, vgg16, alexnet)
+    units: int = 0  # LSTM units; 0 = the model's setting (200 small, 650 medium)
+    dropout: float = -1.0  # LSTM dropout; < 0 = the model's setting (0 small, 0.5 medium)
 
 
 @dataclass
@@ -55,9 +66,19 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     warmup_steps: int = 0  # linear learning-rate warm-up
+    lr_schedule: str = "constant"  # constant | step | cosine
+    lr_decay: float = 0.1  # step schedule: factor at each of lr_decay_epochs
+    lr_decay_epochs: List[int] = field(default_factory=list)  # step schedule: 1-based epochs
+    base_batch_size: int = 0  # linear scaling rule: lr x global batch / base_batch_size (0 = off)
+    weight_decay: float = 0.0  # L2 on kernels and embeddings
+    clip_norm: float = 0.0  # clip this rank's gradients to this global norm (0 = off; LSTM: 5)
+    eval_batch_size: int = 0  # 0 = 4 x batch_size (language model: batch_size)
     threads: int = 0  # TF threads per rank; 0 = cores / ranks on the host
     max_steps_per_epoch: int = 0  # 0 = the whole epoch
-    progress: bool = True  # Keras progress bar on rank 0
+    progress: bool = True  # progress on rank 0 (a bar on a terminal, else a line every progress_interval_s)
+    progress_interval_s: float = 15.0
+    log_every_steps: int = 0  # a metrics.jsonl line every N steps (0 = per epoch only)
+    tensorboard: bool = True  # TensorBoard event files under <run dir>/tb (rank 0)
     deterministic: bool = False  # TensorFlow op determinism (bit-exact resume; docs/reliability.md)
 
 
@@ -256,6 +277,7 @@ def validate(cfg: Config) -> None:
             f"with delay={c.delay} each of the 4 warm-up stages lasts warmup_steps // 4 = "
             f"{c.warmup_steps // 4} steps, fewer than one synchronization every {c.delay} steps, "
             f"so some densities would never reach an exchange: use warmup_steps >= {4 * c.delay}")
+    _check_task(cfg, bad)
     h = cfg.hourglass
     _check_unused(cfg, bad)
     if not (h.fc_workers == "auto" or (isinstance(h.fc_workers, int) and not isinstance(h.fc_workers, bool)
@@ -270,6 +292,38 @@ def validate(cfg: Config) -> None:
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
     if not h.link_bandwidth_mbps > 0:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
+
+
+def _check_task(cfg: Config, bad) -> None:
+    """Data format, model and layout fit together; the task's own keys are in range."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    if d.format not in FORMATS:
+        bad("data.format", d.format, f"use one of {', '.join(FORMATS)}")
+    task = TASK_OF_FORMAT[d.format]
+    if TASK_OF[m.name] != task:
+        fits = ", ".join(n for n in MODELS if TASK_OF[n] == task)
+        bad("model.name", m.name, f"data.format={d.format} needs a {task} model: use one of {fits}")
+    if cfg.layout == "hourglass" and BOUNDARY[m.name] is None:
+        raise ConfigError(f"layout=hourglass needs a model with a conv/FC boundary; model {m.name} "
+                          f"has none ({WHY_NO_BOUNDARY[m.name]}): use layout=data_parallel")
+    if t.lr_schedule not in ("constant", "step", "cosine"):
+        bad("train.lr_schedule", t.lr_schedule, "use constant, step or cosine")
+    if t.lr_schedule != "step" and t.lr_decay_epochs:
+        bad("train.lr_decay_epochs", t.lr_decay_epochs, "it applies to train.lr_schedule=step only")
+    if not 0 < t.lr_decay <= 1:
+        bad("train.lr_decay", t.lr_decay, "must be in (0, 1], e.g. 0.1")
+    for key, v in (("train.base_batch_size", t.base_batch_size), ("train.weight_decay", t.weight_decay),
+                   ("train.clip_norm", t.clip_norm), ("train.eval_batch_size", t.eval_batch_size),
+                   ("train.log_every_steps", t.log_every_steps), ("data.image_size", d.image_size),
+                   ("data.num_classes", d.num_classes), ("model.units", m.units)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            bad(key, v, "must be a finite number >= 0")
+    if not t.progress_interval_s > 0:
+        bad("train.progress_interval_s", t.progress_interval_s, "must be > 0 (seconds)")
+    if d.bptt < 1 or d.vocab_size < 3 or d.n_mels < 1:
+        bad("data.bptt/vocab_size/n_mels", (d.bptt, d.vocab_size, d.n_mels), "must be >= 1 (vocab_size >= 3)")
+    if not m.width > 0:
+        bad("model.width", m.width, "must be > 0, e.g. 0.25")
 
 
 def _fc_sparse(cfg: Config) -> bool:

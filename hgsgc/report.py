@@ -29,7 +29,9 @@ def _load(run_dir: str):
                 if not line.strip():
                     continue
                 try:
-                    metrics.append(json.loads(line))
+                    rec = json.loads(line)
+                    if rec.get("kind") != "step":  # per-step lines (train.log_every_steps) are not epochs
+                        metrics.append(rec)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{mp}, line {i}: not valid JSON ({exc})") from None
     return summary, metrics

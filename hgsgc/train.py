@@ -1,73 +1,25 @@
-"""The main job: data-parallel training on Fashion-MNIST with a chosen compression.
+"""Training runners: :func:`run` dispatches on ``layout``; this module holds the data-parallel one.
 
-Every rank runs :func:`run`; rank 0 prints progress and writes ``runs/<id>/metrics.jsonl``
-(one JSON line per epoch) and ``runs/<id>/summary.json`` (keys in DESIGN.md / docs/api.md).
+Every rank runs :func:`run`. The task (``hgsgc.tasks``: data format, model, loss, metrics) comes
+from the config; the run folder, ``metrics.jsonl``, TensorBoard, progress and the shared summary
+keys come from :mod:`hgsgc.loop`, which the Hourglass runner (``hgsgc.hourglass.train``) uses too.
+Rank 0 writes ``runs/<id>/{config.json, metrics.jsonl, tb/, summary.json, model.keras}`` (summary
+keys in docs/api.md).
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 import numpy as np
 
-from hgsgc.costs import ring_allreduce_bytes_f as _ring
+from hgsgc.loop import (RunLog, density_schedule, lr_at, lr_schedule, new_run_id, ring_bytes,
+                        setup_threads, summary_base)
 
-
-def _setup_threads(threads: int):
-    import tensorflow as tf
-
-    if threads <= 0:
-        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
-        threads = max(1, (os.cpu_count() or 1) // max(1, local))
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
-    return threads
-
-
-def density_schedule(c):
-    """Warm-up of sparsity (Deep Gradient Compression, Lin et al. 2018, Sec. 4): over the first
-    ``c.warmup_steps`` steps the density falls exponentially, 0.25, 0.0625, 0.015625, 0.00390625
-    (four equal stages, never below the target ``c.density``), then stays at ``c.density``.
-
-    Returns:
-        ``step -> density`` (a Python float), or None when there is no warm-up.
-    """
-    if not getattr(c, "warmup_steps", 0):
-        return None
-    stage_len = max(1, c.warmup_steps // 4)
-
-    def density(step: int) -> float:
-        if step >= c.warmup_steps:
-            return float(c.density)
-        return max(float(c.density), 0.25 ** (step // stage_len + 1))
-
-    return density
-
-
-def summary_base(cfg, run_id, history, total_steps, size, layout, parameters, compression,
-                 step_times, first_step_time, wall) -> dict:
-    """The summary.json keys every layout shares (accuracy, sizes, settings, times in seconds)."""
-    last = history[-1]
-    return {
-        "run_id": run_id,
-        "final_test_accuracy": last["test_accuracy"],
-        "final_test_loss": last["test_loss"],
-        "final_train_loss": last["train_loss"],
-        "epochs": cfg.train.epochs,
-        "steps": total_steps,
-        "world_size": size,
-        "layout": layout,
-        "model": cfg.model.name,
-        "parameters": parameters,
-        "compression": compression.to_dict(),
-        "mean_step_time_s": float(np.mean(step_times)) if step_times else 0.0,
-        "first_step_time_s": first_step_time,
-        "wall_time_s": wall,
-        "seed": cfg.run.seed,
-        "batch_size_per_rank": cfg.train.batch_size,
-    }
+# names older code imported from here
+_setup_threads = setup_threads
+_ring = ring_bytes
+__all__ = ["run", "run_data_parallel", "byte_figures", "density_schedule", "summary_base"]
 
 
 def byte_figures(counts: dict, steps: int, size: int, grad_bytes: int) -> dict:
@@ -91,7 +43,7 @@ def byte_figures(counts: dict, steps: int, size: int, grad_bytes: int) -> dict:
         "payload_bytes_per_step_per_rank": payload,
         "bytes_sent_per_step_per_rank": counts["bytes_sent"] / steps,
         "bytes_received_per_step_per_rank": counts["bytes_received"] / steps,
-        "dense_bytes_per_step_per_rank": _ring(size, grad_bytes),
+        "dense_bytes_per_step_per_rank": ring_bytes(size, grad_bytes),
         "compression_ratio": grad_bytes / payload if payload else float("inf"),
         "exchanges": counts["exchanges"],
     }
@@ -101,23 +53,39 @@ def run(cfg, log=print) -> dict:
     """Train and evaluate as configured; returns the summary (same on every rank).
 
     Raises:
-        hgsgc.data.DataError: data files missing or malformed.
+        hgsgc.data.DataError: data files missing or malformed (every rank, before training).
+        ValueError: batch size too large for the data.
     """
     if cfg.layout == "hourglass":  # CONV/FC roles: its own runner (builds its process sets)
         from hgsgc.hourglass.train import run as run_hourglass
 
         return run_hourglass(cfg, log=log)
-    threads = _setup_threads(cfg.train.threads)
+    return run_data_parallel(cfg, log=log)
+
+
+def _epoch_line(rec: dict, epochs: int) -> str:
+    keys = [k for k in rec if k.startswith(("test_", "valid_"))]
+    m = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
+    return (f"epoch {rec['epoch']}/{epochs}: train_loss {rec['train_loss']:.4f} {m} "
+            f"step {rec['mean_step_time_s'] * 1e3:.1f} ms "
+            f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
+            f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
+            f"compression_ratio {rec['compression_ratio']:.1f}")
+
+
+def run_data_parallel(cfg, log=print) -> dict:
+    """The data-parallel runner (every rank trains the whole model on its shard), with
+    checkpoints, resume and fault handling (``hgsgc.checkpoint``, ``hgsgc.faults``,
+    docs/reliability.md)."""
+    threads = setup_threads(cfg.train.threads)
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     import hgsgc
-    from hgsgc import config as config_mod
-    from hgsgc.data import epoch_batches, load_fashion_mnist, shard
-    from hgsgc.models import build_model
-
     from hgsgc import checkpoint as ckpt
+    from hgsgc import config as config_mod
     from hgsgc.faults import configure_stall_check, world_comm
+    from hgsgc.tasks import make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before hvd.init (Horovod reads it there)
     hvd.init()
@@ -128,57 +96,35 @@ def run(cfg, log=print) -> dict:
         tf.config.experimental.enable_op_determinism()
     comm = world_comm()
 
-    data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
-    steps_per_epoch = len(data.x_train) // (size * cfg.train.batch_size)
+    task = make_task(cfg)  # DataError on every rank before any collective
+    _, steps_per_epoch = task.train_data(rank, size, 0)
     if steps_per_epoch < 1:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} x {size} ranks exceeds the "
-                         f"{len(data.x_train)} training images: lower train.batch_size")
+                         f"{task.n_train} training examples: lower train.batch_size")
     if cfg.train.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps_per_epoch)
 
-    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    model = task.build_model()
     compression = config_mod.compression_from_config(cfg.compression)
-    lr = cfg.train.lr
-    if cfg.train.warmup_steps:
-        lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
-    opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
+    world_batch = cfg.train.batch_size * size
+    opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr_schedule(cfg.train, steps_per_epoch, world_batch),
+                                         momentum=cfg.train.momentum)
     opt = hgsgc.DistributedOptimizer(opt, compression=compression)
     if hasattr(opt, "hgsgc_set_nonfinite"):
         opt.hgsgc_set_nonfinite(cfg.faults.nonfinite)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
-    def step_fn(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    def new_step():
+        return task.make_step(model, opt)
 
-    train_step = tf.function(step_fn)
+    train_step = new_step()
     schedule = density_schedule(cfg.compression) if hasattr(compression, "density") else None
     current_density = compression.density if schedule else None
 
-    @tf.function
-    def eval_step(x, y):
-        logits = model(x, training=False)
-        loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float32))
-        return tf.reduce_sum(loss), correct
+    def allreduce_sum(v):
+        return hvd.allreduce(tf.constant(np.asarray(v, np.float64)), op=hvd.Sum, name="hgsgc_eval").numpy()
 
-    def evaluate():
-        idx = shard(len(data.x_test), rank, size)
-        tot_loss = tot_correct = 0.0
-        for s in range(0, len(idx), 500):
-            b = idx[s:s + 500]
-            l, c = eval_step(data.x_test[b], data.y_test[b])
-            tot_loss += float(l)
-            tot_correct += float(c)
-        sums = hvd.allreduce(tf.constant([tot_loss, tot_correct, float(len(idx))], tf.float64),
-                             op=hvd.Sum, name="hgsgc_eval").numpy()
-        return sums[0] / sums[2], sums[1] / sums[2]
-
-    run_id = cfg.run.id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    run_id = new_run_id(cfg)
     if comm is not None:
         run_id = comm.bcast(run_id, root=0)  # same directory even if the clock ticks between ranks
     run_dir = os.path.join(cfg.run.out_dir, run_id)
@@ -196,28 +142,21 @@ def run(cfg, log=print) -> dict:
             loop.update(saved["loop"])
 
         checkpointer.restore(restore)
+    rlog = RunLog(cfg, run_id, is_root, log)
+    for rec in loop["history"]:  # metrics so far (a resumed run rewrites them)
+        rlog.epoch(rec, int(rec.get("epoch", 0)) * steps_per_epoch, tensorboard=False)
+    d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     if is_root:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config_mod.to_dict(cfg), f, indent=2)
-        d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-        log(f"hgsgc: {size} ranks, {threads} TF threads each, model {cfg.model.name} "
+        log(f"hgsgc: {size} ranks, {threads} TF threads each, task {cfg.data.format}, model {cfg.model.name} "
             f"({d:,} parameters), compression {compression.to_dict()}, "
             f"{steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, run dir {run_dir}")
 
     stats = opt.hgsgc_stats
-    d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     grad_bytes = 4 * d
     t_start = time.perf_counter() - loop["wall_s"]
     step_times, history, total_steps = list(loop["step_times"]), list(loop["history"]), 0
     first_step_time = loop["first_step_time"]
     start_step = int(loop["global_step"])
-    metrics_f = None
-    if is_root:
-        metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w")
-        for rec in history:  # metrics so far (a resumed run rewrites them)
-            metrics_f.write(json.dumps(rec) + "\n")
-        metrics_f.flush()
     traced = False  # this process's first step traces the graph (also after a resume)
 
     def state_fn(epoch_losses=(), before=None):
@@ -234,30 +173,29 @@ def run(cfg, log=print) -> dict:
             if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
                 total_steps += steps_per_epoch  # finished before the checkpoint
                 continue
-            batches = epoch_batches(len(data.x_train), cfg.train.batch_size, rank, size, epoch,
-                                    cfg.run.seed)[:steps_per_epoch]
+            batches, _ = task.train_data(rank, size, epoch)
+            task.start_epoch()  # (a resume inside an epoch restarts the LSTM state at zero)
             skip = max(0, start_step - epoch * steps_per_epoch)  # data-order position
             resumed = skip > 0 and loop["before"] is not None
             before = loop["before"] if resumed else stats.snapshot()
-            bar = None
-            if is_root and cfg.train.progress:
-                # not a terminal (log file, CI): a line every 15 s instead of every 0.05 s
-                bar = tf.keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], unit_name="step",
-                                             interval=0.05 if sys.stdout.isatty() else 15.0)
+            bar = rlog.progress(epoch + 1, steps_per_epoch)
             losses = list(loop["losses"]) if resumed else []
             epoch_t0 = time.perf_counter()
-            for i in range(skip, len(batches)):
-                b = batches[i]
+            for i, batch in enumerate(batches):
+                if i >= steps_per_epoch:
+                    break
+                if i < skip:
+                    continue
                 retrace = False
                 if schedule is not None:
                     want = schedule(total_steps + i)
                     if want != current_density:  # density warm-up stage: new k, so a new graph
                         opt.hgsgc_set_density(want)
                         current_density = want
-                        train_step = tf.function(step_fn)
+                        train_step = new_step()
                         retrace = True
                 t0 = time.perf_counter()
-                loss = float(train_step(data.x_train[b], data.y_train[b]))
+                loss = float(train_step(batch))
                 if not traced:  # graph tracing: reported apart, not in the mean
                     traced = True
                     if first_step_time is None:
@@ -265,77 +203,51 @@ def run(cfg, log=print) -> dict:
                 elif not retrace:
                     step_times.append(time.perf_counter() - t0)
                 losses.append(loss)
-                if bar is not None:
-                    bar.update(i + 1, values=[("loss", float(np.mean(losses[-50:])))])
-                step = total_steps_now[0] = total_steps + i + 1
-                checkpointer.after_step(step, lambda: state_fn(losses, before),
-                                        lambda: {"history": history})
+                step = total_steps + i + 1
+                rlog.step(step, epoch + 1, loss, lr_at(cfg.train, step - 1, steps_per_epoch, world_batch))
+                bar.update(i + 1, float(np.mean(losses[-50:])))
+                total_steps_now[0] = step
+                checkpointer.after_step(step, lambda: state_fn(losses, before), lambda: {"history": history})
             opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
             epoch_time = time.perf_counter() - epoch_t0
-            total_steps += len(batches)
+            total_steps += steps_per_epoch
             after = stats.snapshot()
             diff = {k: after[k] - before[k] for k in after}
-            test_loss, test_acc = evaluate()
-            n_steps = max(1, len(batches))
+            metrics = task.evaluate(model, rank, size, allreduce_sum)
             rec = {
                 "epoch": epoch + 1,
-                "steps": len(batches),
+                "steps": steps_per_epoch,
                 "train_loss": float(np.mean(losses)) if losses else float("nan"),
-                "test_loss": test_loss,
-                "test_accuracy": test_acc,
+                **metrics,
                 "epoch_time_s": epoch_time,
-                "mean_step_time_s": float(np.mean(step_times[-n_steps:])) if step_times else 0.0,
-                **byte_figures(diff, len(batches), size, grad_bytes),
+                "mean_step_time_s": float(np.mean(step_times[-steps_per_epoch:])) if step_times else 0.0,
+                "lr": lr_at(cfg.train, max(0, total_steps - 1), steps_per_epoch, world_batch),
+                **byte_figures(diff, steps_per_epoch, size, grad_bytes),
             }
             if getattr(opt, "hgsgc_skipped_steps", None) is not None:
                 rec["skipped_nonfinite_steps"] = int(opt.hgsgc_skipped_steps)
             history.append(rec)
             loop["losses"], loop["before"] = [], None
+            rlog.epoch(rec, total_steps)
             if is_root:
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
-                log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {rec['train_loss']:.4f} "
-                    f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
-                    f"step {rec['mean_step_time_s'] * 1e3:.1f} ms "
-                    f"sent/step/rank {rec['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
-                    f"(dense {rec['dense_bytes_per_step_per_rank'] / 1e3:.1f} kB) "
-                    f"compression_ratio {rec['compression_ratio']:.1f}")
+                log(_epoch_line(rec, cfg.train.epochs))
         total_steps_now[0] = total_steps
         t_end = time.perf_counter()  # the end checkpoint is not part of the wall time
         checkpointer.finish(total_steps, state_fn, {"history": history})
     finally:
         checkpointer.close()
     wall = t_end - t_start
-    if metrics_f:
-        metrics_f.close()
 
     summary = {
         **summary_base(cfg, run_id, history, total_steps, size, cfg.layout, d, compression,
                        step_times, first_step_time, wall),
         **byte_figures(stats.snapshot(), total_steps, size, grad_bytes),
+        "global_batch_size": world_batch,
     }
+    rlog.summary(summary, model)
     if is_root:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        model.save(os.path.join(run_dir, "model.keras"))
-        log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}, "
+        key = "final_" + task.metric
+        log(f"hgsgc: final {task.metric} {summary.get(key, float('nan')):.4f}, "
             f"compression ratio {summary['compression_ratio']:.1f}, "
             f"summary: {os.path.join(run_dir, 'summary.json')}")
     return summary
-
-
-class _Warmup:
-    """Linear learning-rate warm-up (Goyal et al. 2017) as a Keras LearningRateSchedule."""
-
-    def __new__(cls, lr, steps):
-        import tensorflow as tf
-
-        class Sched(tf.keras.optimizers.schedules.LearningRateSchedule):
-            def __call__(self, step):
-                frac = tf.minimum(1.0, tf.cast(step + 1, tf.float32) / float(steps))
-                return lr * frac
-
-            def get_config(self):
-                return {"lr": lr, "steps": steps}
-
-        return Sched()

@@ -20,7 +20,7 @@ with several voices, rates and pitches, written in this layout. It is not LibriS
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
@@ -243,22 +243,3 @@ def write_utterance(root: str, speaker: int, chapter: int, utt: int, audio: np.n
     with open(os.path.join(d, f"{speaker}-{chapter}.trans.txt"), "a") as f:
         f.write(f"{uid} {text.upper()}\n")
     return p
-
-
-def wer_cer(refs: List[str], hyps: List[str], _unused: Optional[int] = None):
-    """Word and character error rates: summed Levenshtein distances over summed reference lengths
-    (words split on spaces; characters including spaces). Returns ``(wer, cer)`` floats."""
-    def lev(a, b):
-        prev = list(range(len(b) + 1))
-        for i, x in enumerate(a, 1):
-            cur = [i] + [0] * len(b)
-            for j, y in enumerate(b, 1):
-                cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
-            prev = cur
-        return prev[-1]
-
-    we = sum(lev(r.split(), h.split()) for r, h in zip(refs, hyps))
-    wn = sum(len(r.split()) for r in refs)
-    ce = sum(lev(r, h) for r, h in zip(refs, hyps))
-    cn = sum(len(r) for r in refs)
-    return we / max(1, wn), ce / max(1, cn)

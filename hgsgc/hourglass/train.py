@@ -1,7 +1,11 @@
-"""The Hourglass main job: Fashion-MNIST with CONV ranks (trunk + SGC) and FC ranks (head).
+"""The Hourglass runner: an image task with CONV ranks (trunk + SGC) and FC ranks (head).
 
-Every rank runs :func:`run`. Rank 0 (always a CONV rank) prints progress and writes
-``runs/<id>/metrics.jsonl`` (one JSON line per epoch), ``runs/<id>/summary.json`` and
+Every rank runs :func:`run`. The run folder, metrics.jsonl, TensorBoard, progress and shared summary
+keys come from :mod:`hgsgc.loop` (the data-parallel runner uses the same), the data and model from
+the task (:mod:`hgsgc.tasks`; image formats only: the config refuses models without a conv/FC
+boundary). Rank 0 (always a CONV rank) prints progress and writes
+``runs/<id>/metrics.jsonl`` (one JSON line per epoch; with ``train.log_every_steps`` also a line
+every N steps whose ``train_loss`` is the epoch's running mean), ``runs/<id>/summary.json`` and
 ``runs/<id>/model.keras`` (one ordinary Keras model: trunk from CONV rank 0, head from the first
 FC rank). The summary has the keys of the data-parallel job (``hgsgc.train``) plus per-role
 figures under ``roles`` and the layout under ``hourglass``; the per-rank keys are means over all
@@ -9,9 +13,6 @@ ranks (see docs/hourglass.md, "Accounting").
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
 import numpy as np
@@ -163,32 +164,31 @@ def run(cfg, log=print) -> dict:
     is_root = rank == 0
     check_fc_workers(size, cfg.hourglass.fc_workers)  # sizes only: same verdict on every rank
 
-    from hgsgc.train import _setup_threads, _Warmup, summary_base
+    from hgsgc.loop import RunLog, lr_schedule, new_run_id, setup_threads, summary_base
 
-    threads = _setup_threads(cfg.train.threads)
+    threads = setup_threads(cfg.train.threads)
     import tensorflow as tf
 
+    from hgsgc import checkpoint as ckpt
     from hgsgc import config as config_mod
-    from hgsgc.data import epoch_batches, load_fashion_mnist, shard
+    from hgsgc.faults import configure_stall_check, world_comm
+    from hgsgc.tasks import make_task
+
+    configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
     from hgsgc.hourglass.costmodel import measure_costs
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
     from hgsgc.hourglass.step import HourglassTrainer
-    from hgsgc.models import build_model
 
-    from hgsgc import checkpoint as ckpt
-    from hgsgc.faults import configure_stall_check, world_comm
-
-    configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
     compression = config_mod.compression_from_config(cfg.compression)
     fc_compression = fc_compression_from_config(cfg)
     tf.keras.utils.set_random_seed(cfg.run.seed)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     ckpt_comm = world_comm()
-    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    task = make_task(cfg)  # DataError on every rank (FC ranks too) before any collective
+    model = task.build_model()
     split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
-    data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
     b = cfg.train.batch_size
 
     cost = None
@@ -198,16 +198,14 @@ def run(cfg, log=print) -> dict:
                                      wire_dtype=cfg.hourglass.wire_dtype)
     layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
     C, F = layout.n_conv, layout.n_fc
-    steps_per_epoch = len(data.x_train) // (C * b)
+    _, steps_per_epoch = task.train_data(0, C, 0)
     if steps_per_epoch < 1:
-        raise ValueError(f"train.batch_size={b} x {C} CONV ranks exceeds the {len(data.x_train)} "
+        raise ValueError(f"train.batch_size={b} x {C} CONV ranks exceeds the {task.n_train} "
                          f"training images: lower train.batch_size")
     if cfg.train.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps_per_epoch)
 
-    lr = cfg.train.lr
-    if cfg.train.warmup_steps:
-        lr = _Warmup(cfg.train.lr, cfg.train.warmup_steps)
+    lr = lr_schedule(cfg.train, steps_per_epoch, C * b)
     opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
     trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
                                fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype,
@@ -218,13 +216,10 @@ def run(cfg, log=print) -> dict:
     d_conv = sum(int(np.prod(v.shape)) for v in split.trunk_variables)
     d_fc = sum(int(np.prod(v.shape)) for v in split.head_variables)
     d = d_conv + d_fc
-    run_id = cfg.run.id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    run_id = world.bcast(run_id, root=0)  # same directory even if the clock ticks between ranks
-    run_dir = os.path.join(cfg.run.out_dir, run_id)
+    run_id = world.bcast(new_run_id(cfg), root=0)  # same directory even if the clock ticks between ranks
+    rlog = RunLog(cfg, run_id, is_root, log)
+    run_dir = rlog.dir
     if is_root:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config_mod.to_dict(cfg), f, indent=2)
         log(f"hgsgc: {size} ranks, {threads} TF threads each, model {cfg.model.name} "
             f"({d:,} parameters: {d_conv:,} CONV, {d_fc:,} FC, split at {split.boundary_layer!r}, "
             f"activations {split.boundary_shape}), {steps_per_epoch} steps/epoch x "
@@ -235,9 +230,10 @@ def run(cfg, log=print) -> dict:
     conv_idx = layout.role_index if layout.is_conv else None
     comp_dicts = {"conv": compression.to_dict(), "fc": fc_compression.to_dict()}
     d_role = {"conv": d_conv, "fc": d_fc}
-    if layout.is_conv:
-        test_idx = shard(len(data.x_test), conv_idx, C)
-        x_eval, y_eval = data.x_test[test_idx], data.y_test[test_idx]
+    if layout.is_conv:  # this CONV rank's evaluation examples as arrays (the trainer takes arrays)
+        parts = [(np.asarray(x), np.asarray(y)) for x, y in task.test_data(conv_idx, C)]
+        x_eval = np.concatenate([p[0] for p in parts])
+        y_eval = np.concatenate([p[1] for p in parts]).astype(np.int32)
     else:
         x_eval = y_eval = None
 
@@ -269,12 +265,8 @@ def run(cfg, log=print) -> dict:
     first_step_time = loop["first_step_time"]
     start_step = int(loop["global_step"])
     start_snap = loop["start_snap"] or trainer.snapshot()
-    metrics_f = None
-    if is_root:
-        metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "w")
-        for rec in history:  # metrics so far (a resumed run rewrites them)
-            metrics_f.write(json.dumps(rec) + "\n")
-        metrics_f.flush()
+    for rec in history:  # metrics so far (a resumed run rewrites them)
+        rlog.epoch(rec, int(rec.get("epoch", 0)) * steps_per_epoch, tensorboard=False)
     traced = False
     now = [start_step]
 
@@ -288,6 +280,7 @@ def run(cfg, log=print) -> dict:
                          "first_step_time": first_step_time,
                          "wall_s": time.perf_counter() - t_start}}
 
+    every = cfg.train.log_every_steps
     for epoch in range(cfg.train.epochs):
         if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
             total_steps += steps_per_epoch  # finished before the checkpoint
@@ -295,22 +288,23 @@ def run(cfg, log=print) -> dict:
         skip = max(0, start_step - epoch * steps_per_epoch)  # data-order position
         resumed = skip > 0 and loop["before"] is not None
         if layout.is_conv:
-            batches = epoch_batches(len(data.x_train), b, conv_idx, C, epoch, cfg.run.seed)[:steps_per_epoch]
+            batches, _ = task.train_data(conv_idx, C, epoch)
         else:
             batches = [None] * steps_per_epoch
         before = loop["before"] if resumed else trainer.snapshot()
-        bar = None
-        if is_root and cfg.train.progress:
-            bar = tf.keras.utils.Progbar(steps_per_epoch, unit_name="step",
-                                         interval=0.05 if sys.stdout.isatty() else 15.0)
+        bar = rlog.progress(epoch + 1, steps_per_epoch)
         epoch_t0 = time.perf_counter()
-        for i in range(skip, len(batches)):
-            bi = batches[i]
+        n_done = 0
+        for i, bi in enumerate(batches):
+            if i >= steps_per_epoch:
+                break
+            if i < skip:
+                continue
             t0 = time.perf_counter()
             if bi is None:
                 trainer.train_step()
             else:
-                trainer.train_step(data.x_train[bi], data.y_train[bi])
+                trainer.train_step(np.asarray(bi[0]), np.asarray(bi[1]))
             if not traced:  # graph tracing: reported apart, not in the mean
                 traced = True
                 if first_step_time is None:
@@ -321,10 +315,13 @@ def run(cfg, log=print) -> dict:
                 trainer.phase_times(reset=True)  # the profile covers the same steps as the mean
             else:
                 step_times.append(time.perf_counter() - t0)
-            if bar is not None:
-                bar.update(i + 1)
+            n_done = i + 1
+            if every and (total_steps + n_done) % every == 0:  # collective: every rank, same step
+                rlog.step(total_steps + n_done, epoch + 1, trainer.train_loss(reset=False))
+            bar.update(n_done)
             now[0] = total_steps + i + 1
             checkpointer.after_step(now[0], lambda: state_fn(before), lambda: {"history": history})
+        batches = range(n_done)
         trainer.synchronize()  # delay: pending CONV sync before evaluating (identical trunks)
         epoch_time = time.perf_counter() - epoch_t0
         total_steps += len(batches)
@@ -349,9 +346,8 @@ def run(cfg, log=print) -> dict:
         }
         history.append(rec)
         loop["before"] = None
+        rlog.epoch(rec, total_steps)
         if is_root:
-            metrics_f.write(json.dumps(rec) + "\n")
-            metrics_f.flush()
             log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {train_loss:.4f} "
                 f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
                 f"step {rec['mean_step_time_s'] * 1e3:.1f} ms; per step per rank sent: "
@@ -363,8 +359,6 @@ def run(cfg, log=print) -> dict:
     t_end = time.perf_counter()  # the end checkpoint is not part of the wall time
     checkpointer.finish(total_steps, state_fn, {"history": history})
     wall = t_end - t_start
-    if metrics_f:
-        metrics_f.close()
 
     end_snap = trainer.snapshot()
     tot = {k: end_snap[k] - start_snap[k] for k in end_snap}
@@ -400,10 +394,8 @@ def run(cfg, log=print) -> dict:
         },
     }
     full = trainer.assemble_model(root=0)
+    rlog.summary(summary, full)
     if is_root:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        full.save(os.path.join(run_dir, "model.keras"))
         log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}; per step per rank "
             f"sent: CONV {roles['conv']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
             f"(activations {roles['conv']['activation_bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
@@ -411,6 +403,6 @@ def run(cfg, log=print) -> dict:
             f"FC {roles['fc']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
             f"(activation gradients {roles['fc']['activation_grad_bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
             f"gradient exchange {roles['fc']['exchange_bytes_sent_per_step_per_rank'] / 1e3:.2f} kB); "
-            f"summary: {os.path.join(run_dir, 'summary.json')}")
+            f"summary: {run_dir}/summary.json")
     layout.p2p.Barrier()  # the model file exists when run() returns on any rank
     return summary

@@ -1,4 +1,4 @@
-"""Models for the main job.
+"""Fashion-MNIST models of the main job (28x28x1 inputs).
 
 ``alexnet_small``: an AlexNet-shaped CNN for 28x28x1 inputs: a small convolutional trunk
 (~0.06 M parameters, most of the FLOPs) feeding a fully connected head that holds ~97 % of the
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-MODELS = ("alexnet_small", "tiny")
+SMALL = ("alexnet_small", "tiny")
 
 
-def build_model(name: str = "alexnet_small", num_classes: int = 10, seed: int = 0,
+def build_small(name: str = "alexnet_small", num_classes: int = 10, seed: int = 0,
                 fc_units=(512, 256)) -> tf.keras.Model:
     """Build a Keras Sequential model; weights are seeded (same on every rank for one seed).
 
@@ -21,8 +21,8 @@ def build_model(name: str = "alexnet_small", num_classes: int = 10, seed: int = 
     Raises:
         ValueError: unknown ``name``.
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}: choose one of {MODELS}")
+    if name not in SMALL:
+        raise ValueError(f"unknown model {name!r}: choose one of {SMALL}")
     init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed * 100 + i)  # noqa: E731
     c1, c2 = (32, 64) if name == "alexnet_small" else (8, 16)
     units = tuple(fc_units) if name == "alexnet_small" else (64,)
