@@ -72,36 +72,52 @@ def lr_at(t, step: int, steps_per_epoch: int, world_batch: int) -> float:
     return lr
 
 
+_SCHEDULE = None
+
+
+def _schedule_class():
+    """The Keras schedule class, defined once and registered (``hgsgc>LRSchedule``) so that
+    optimizers rebuilt from their config (Horovod's DistributedOptimizer does) can restore it."""
+    global _SCHEDULE
+    if _SCHEDULE is None:
+        import tensorflow as tf
+
+        @tf.keras.utils.register_keras_serializable(package="hgsgc")
+        class LRSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
+            def __init__(self, peak, warmup_steps=0, kind="constant", decay=0.1, bounds=(), steps_per_epoch=1,
+                         total_steps=1):
+                self.peak, self.warm, self.kind, self.decay = float(peak), int(warmup_steps), kind, float(decay)
+                self.bounds, self.spe, self.total = sorted(bounds), int(steps_per_epoch), int(total_steps)
+
+            def __call__(self, step):
+                s = tf.cast(step, tf.float32)
+                lr = tf.constant(self.peak, tf.float32)
+                if self.warm:
+                    lr *= tf.minimum(1.0, (s + 1.0) / float(self.warm))
+                if self.kind == "step" and self.bounds:
+                    epoch = tf.math.floordiv(s, float(self.spe)) + 1.0
+                    n = tf.reduce_sum(tf.cast(tf.constant(self.bounds, tf.float32) <= epoch, tf.float32))
+                    lr *= tf.pow(tf.constant(self.decay, tf.float32), n)
+                elif self.kind == "cosine":
+                    lr *= 0.5 * (1.0 + tf.cos(math.pi * tf.minimum(1.0, s / float(self.total))))
+                return lr
+
+            def get_config(self):
+                return {"peak": self.peak, "warmup_steps": self.warm, "kind": self.kind, "decay": self.decay,
+                        "bounds": list(self.bounds), "steps_per_epoch": self.spe, "total_steps": self.total}
+
+        _SCHEDULE = LRSchedule
+    return _SCHEDULE
+
+
 def lr_schedule(t, steps_per_epoch: int, world_batch: int):
     """A Keras ``LearningRateSchedule`` computing :func:`lr_at` from the optimizer's step counter,
     or a float when the rate is constant."""
-    import tensorflow as tf
-
     if t.lr_schedule == "constant" and not t.warmup_steps:
         return peak_lr(t, world_batch)
-    peak = peak_lr(t, world_batch)
-    warm, kind, decay = t.warmup_steps, t.lr_schedule, t.lr_decay
-    bounds = sorted(t.lr_decay_epochs)
-    spe, total = max(1, steps_per_epoch), max(1, t.epochs * steps_per_epoch)
-
-    class Schedule(tf.keras.optimizers.schedules.LearningRateSchedule):
-        def __call__(self, step):
-            s = tf.cast(step, tf.float32)
-            lr = tf.constant(peak, tf.float32)
-            if warm:
-                lr *= tf.minimum(1.0, (s + 1.0) / float(warm))
-            if kind == "step" and bounds:
-                epoch = tf.math.floordiv(s, float(spe)) + 1.0
-                n = tf.reduce_sum(tf.cast(tf.constant(bounds, tf.float32) <= epoch, tf.float32))
-                lr *= tf.pow(tf.constant(decay, tf.float32), n)
-            elif kind == "cosine":
-                lr *= 0.5 * (1.0 + tf.cos(math.pi * tf.minimum(1.0, s / float(total))))
-            return lr
-
-        def get_config(self):
-            return {"peak": peak, "warmup_steps": warm, "kind": kind}
-
-    return Schedule()
+    spe = max(1, steps_per_epoch)
+    return _schedule_class()(peak_lr(t, world_batch), t.warmup_steps, t.lr_schedule, t.lr_decay,
+                             t.lr_decay_epochs, spe, max(1, t.epochs * spe))
 
 
 def density_schedule(c):

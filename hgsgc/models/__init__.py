@@ -28,9 +28,9 @@ TASK_OF = {"alexnet_small": "image", "tiny": "image", "resnet20": "image", "vgg1
 BOUNDARY = {"alexnet_small": "fc1", "tiny": "fc1", "resnet20": "logits", "vgg16": "fc1",
             "alexnet": "fc1", "resnet50": "logits", "lstm_small": None, "lstm_medium": None,
             "ctc_small": None}
-WHY_NO_BOUNDARY = {"lstm_small": "a recurrent language model (embedding, LSTMs, softmax)",
-                   "lstm_medium": "a recurrent language model (embedding, LSTMs, softmax)",
-                   "ctc_small": "a speech model whose classifier is per frame after recurrent layers"}
+WHY_NO_BOUNDARY = {"lstm_small": "a recurrent language model: embedding, LSTMs, softmax",
+                   "lstm_medium": "a recurrent language model: embedding, LSTMs, softmax",
+                   "ctc_small": "a speech model: per-frame classifier after recurrent layers"}
 
 
 def has_boundary(name: str) -> bool:
