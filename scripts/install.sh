@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Install everything hgsgc needs on a fresh Debian machine (run as root, or with sudo available).
 # Idempotent: every step checks what is already there, so a second run takes seconds.
-#   - Debian packages: Open MPI, cmake, the Fashion-MNIST data set, iproute2
+#   - Debian packages: Open MPI, cmake, the Fashion-MNIST data set, iproute2; for the experiments:
+#     bible-kjv (King James text, PTB-format default), espeak-ng (synthetic speech default),
+#     slurmctld slurmd slurm-client munge (the local Slurm test)
 #   - .venv with pinned tensorflow-cpu 2.15.1, numpy<2, mpi4py and the test/plot libraries
 #   - horovod 0.28.1 built from source with TensorFlow + MPI; the wheel is cached in
 #     $HGSGC_WHEEL_CACHE (default ~/.cache/hgsgc/wheels) so it is built once per machine
 #   - hgsgc itself (editable, console script `hgsgc`) with its custom TensorFlow ops
+#   - the offline default data sets in their real formats, in $HGSGC_DATA (default
+#     ~/.cache/hgsgc/data): scripts/prepare_data.py (skips what is already there)
 # Fails loudly (non-zero exit, one line naming the step) when a step or the final check fails.
 set -euo pipefail
 
@@ -15,7 +19,8 @@ VENV="${HGSGC_VENV:-$ROOT/.venv}"
 PY="${HGSGC_PYTHON:-python3.11}"
 CACHE="${HGSGC_WHEEL_CACHE:-$HOME/.cache/hgsgc/wheels}"
 HOROVOD_VERSION=0.28.1
-APT_PACKAGES="openmpi-bin libopenmpi-dev cmake dataset-fashion-mnist iproute2 make g++"
+APT_PACKAGES="openmpi-bin libopenmpi-dev cmake dataset-fashion-mnist iproute2 make g++ \
+  bible-kjv bible-kjv-text espeak-ng slurmctld slurmd slurm-client munge"
 
 die() { echo "install.sh: ERROR: $*" >&2; exit 1; }
 step() { echo "==> $*"; }
@@ -89,7 +94,11 @@ else
   step "hgsgc present"
 fi
 
-# 5. Check what was built ----------------------------------------------------------------------
+# 5. Offline default data sets (idempotent: each set has a .done stamp) ---------------------------
+step "offline data sets in ${HGSGC_DATA:-$HOME/.cache/hgsgc/data}"
+TF_CPP_MIN_LOG_LEVEL=2 "$VPY" scripts/prepare_data.py || die "scripts/prepare_data.py failed"
+
+# 6. Check what was built ----------------------------------------------------------------------
 check="$("$VENV/bin/horovodrun" --check-build 2>&1)" || die "horovodrun --check-build failed: $check"
 echo "$check" | grep -q "\[X\] TensorFlow" || die "horovod was built without TensorFlow: $check"
 echo "$check" | grep -q "\[X\] MPI" || die "horovod was built without MPI: $check"

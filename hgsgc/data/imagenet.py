@@ -154,8 +154,9 @@ class ImageNetJPEG:
 
     def __init__(self, root: str, split: str = "train", image_size: int = 224, limit: int = 0):
         self.files, self.labels, self.classes = list_jpeg_tree(root, split)
-        if limit:
-            self.files, self.labels = self.files[:limit], self.labels[:limit]
+        if limit and limit < len(self.files):  # a fixed, class-balanced-in-expectation subset
+            keep = np.sort(np.random.default_rng(0).permutation(len(self.files))[:limit])
+            self.files, self.labels = [self.files[i] for i in keep], self.labels[keep]
         self.n = len(self.files)
         self.num_classes = len(self.classes)
         self.image_size = image_size

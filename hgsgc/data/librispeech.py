@@ -166,8 +166,10 @@ class LibriSpeech:
 
     def __init__(self, root: str, n_mels: int = 40, bucket_batches: int = 8, limit: int = 0):
         self.files, self.texts, self.frames = list_utterances(root)
-        if limit:
-            self.files, self.texts, self.frames = self.files[:limit], self.texts[:limit], self.frames[:limit]
+        if limit and limit < len(self.files):  # a fixed subset across speakers
+            keep = np.sort(np.random.default_rng(0).permutation(len(self.files))[:limit])
+            self.files, self.texts, self.frames = ([self.files[i] for i in keep], [self.texts[i] for i in keep],
+                                                   self.frames[keep])
         self.n = len(self.files)
         self.n_mels = n_mels
         self.bucket_batches = bucket_batches
