@@ -1,6 +1,5 @@
 """Data loaders on tiny files written here in each real format (good and malformed), against
 numpy references; sharding covers every example exactly once per epoch across 2, 3 and 4 ranks."""
-import os
 
 import numpy as np
 import pytest
