@@ -176,3 +176,18 @@ def test_run_log_step_lines_and_tensorboard(tmp_path):
         for e in tf.compat.v1.train.summary_iterator(str(f)):
             tags |= {v.tag for v in e.summary.value}
     assert {"step/train_loss", "step/lr", "epoch/valid_perplexity"} <= tags
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_", [2, 3])
+def test_indexed_slices_through_every_compression(np_):
+    from conftest import mpi_result
+
+    out = mpi_result(np_, ["tests/mpi/check_indexed_slices.py"], timeout=600)
+    for name, m in out["methods"].items():
+        assert "error" not in m, (name, m)
+        # the sparse path and the densified path apply the same update (float32 sums in another order)
+        assert m["slices_vs_dense"] < 1e-5, (name, m)
+        assert m["rank_spread"] < 1e-6 or name == "localsgd", (name, m)
+    for name in ("none", "topk_exact"):
+        assert out["methods"][name]["vs_numpy"] < 1e-4, (name, out["methods"][name])
