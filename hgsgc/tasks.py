@@ -341,7 +341,13 @@ class SpeechTask:
 
         t = self.cfg.train
 
-        @tf.function(reduce_retracing=True)
+        b, m = self.cfg.train.batch_size, self.cfg.data.n_mels
+        # one trace for every batch length: every rank runs the same graph (and so the same
+        # collectives), whatever lengths its buckets hold
+        spec = [tf.TensorSpec([b, None, m], tf.float32), tf.TensorSpec([b], tf.int32),
+                tf.TensorSpec([b, None], tf.int32), tf.TensorSpec([b], tf.int32)]
+
+        @tf.function(input_signature=spec)
         def step(feats, frames, y, ylen):
             with tf.GradientTape() as tape:
                 loss, _, _ = self._loss(model, feats, frames, y, ylen, True)
@@ -358,7 +364,10 @@ class SpeechTask:
 
         from hgsgc.data.librispeech import decode_ids
 
-        @tf.function(reduce_retracing=True)
+        spec = [tf.TensorSpec([None, None, self.cfg.data.n_mels], tf.float32), tf.TensorSpec([None], tf.int32),
+                tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32)]
+
+        @tf.function(input_signature=spec)
         def ev(feats, frames, y, ylen):
             loss, logits, n = self._loss(model, feats, frames, y, ylen, False)
             return tf.reduce_sum(loss), logits, n
