@@ -21,13 +21,16 @@ from __future__ import annotations
 import tensorflow as tf
 
 L = tf.keras.layers
+# moving-average momentum of batch norm (PyTorch's 0.1 update = Keras 0.9): the evaluation
+# statistics follow the weights within tens of steps, so short runs evaluate sensibly
+BN_MOMENTUM = 0.9
 
 
 def _conv_bn(x, ch, k=3, stride=1, wd=0.0, name=None):
     x = L.Conv2D(ch, k, strides=stride, padding="same", use_bias=False,
                  kernel_regularizer=tf.keras.regularizers.l2(wd) if wd else None,
                  kernel_initializer="he_normal", name=name)(x)
-    return L.BatchNormalization(name=None if name is None else name + "_bn")(x)
+    return L.BatchNormalization(momentum=BN_MOMENTUM, name=None if name is None else name + "_bn")(x)
 
 
 def resnet20(input_shape=(32, 32, 3), num_classes=10, width: float = 1.0) -> tf.keras.Model:
@@ -62,7 +65,7 @@ def vgg16(input_shape=(32, 32, 3), num_classes=10, width: float = 1.0, fc_units:
             i += 1
             layers += [L.Conv2D(max(4, int(v * width)), 3, padding="same", use_bias=False,
                                 kernel_initializer="he_normal", name=f"conv{i}"),
-                       L.BatchNormalization(), L.ReLU()]
+                       L.BatchNormalization(momentum=BN_MOMENTUM), L.ReLU()]
     fc = max(8, int(fc_units * width))
     layers += [L.Flatten(name="flatten"),
                L.Dense(fc, activation="relu", name="fc1"), L.Dropout(0.5),
