@@ -20,8 +20,8 @@ RUNS = {
     "cifar10": ("configs/cifar10_resnet20/dense.yaml",
                 ["data.train_limit=1024", "data.test_limit=512", "train.epochs=1", "train.warmup_steps=2"]),
     "imagenet": ("configs/imagenet_alexnet/dense.yaml",
-                 ["data.train_limit=640", "data.test_limit=200", "train.epochs=1", "train.warmup_steps=2",
-                  "train.lr=0.05"]),
+                 ["data.train_limit=640", "data.test_limit=200", "train.epochs=2", "train.warmup_steps=2",
+                  "train.lr=0.2", "train.weight_decay=0"]),
     "ptb": ("configs/ptb_lstm/sgc.yaml", ["data.train_limit=12000", "train.epochs=1", "model.units=64"]),
     "speech": ("configs/librispeech_ctc/sgc.yaml", ["data.test_limit=32", "train.epochs=2"]),
 }
@@ -53,14 +53,17 @@ def _mean(xs):
 def test_cifar10_resnet20_learns(tmp_path):
     s, steps = _run("cifar10", tmp_path)
     assert len(steps) == 1024 // (2 * 32)
+    # test accuracy is not checked: after 16 steps the batch-norm moving statistics used in
+    # evaluation still lag the weights (measured: 0.105), so the training loss is the signal
     assert _mean(steps[-3:]) < _mean(steps[:3]) - MEASURED["cifar10"]["loss_drop"], steps
-    assert s["final_test_accuracy"] > MEASURED["cifar10"]["accuracy"], s
+    assert 0.0 < s["final_test_loss"] < float("inf") and s["world_size"] == 2
 
 
 def test_imagenet_alexnet_learns(tmp_path):
     s, steps = _run("imagenet", tmp_path)
-    assert len(steps) == 640 // (2 * 32)
-    assert _mean(steps[-3:]) < _mean(steps[:3]) - MEASURED["imagenet"]["loss_drop"], steps
+    assert len(steps) == 2 * (640 // (2 * 32))
+    # AlexNet (no batch norm) barely moves its training loss in 20 steps (measured 2.31 -> 2.26
+    # over 3-step means, within step noise); its test accuracy does move
     assert s["final_test_accuracy"] > MEASURED["imagenet"]["accuracy"], s
 
 
@@ -72,13 +75,30 @@ def test_ptb_lstm_learns(tmp_path):
 
 def test_librispeech_ctc_learns(tmp_path):
     s, steps = _run("speech", tmp_path)
-    assert _mean(steps[-3:]) < MEASURED["speech"]["loss_ratio"] * _mean(steps[:3]), steps
-    assert s["final_test_cer"] < MEASURED["speech"]["cer"], s
+    assert len(steps) == 2 * (300 // (2 * 8))
+    first = _mean(steps[:3])
+    assert _mean(steps[-3:]) < MEASURED["speech"]["loss_ratio"] * first, steps
+    assert s["final_test_loss"] < MEASURED["speech"]["test_loss_ratio"] * first, s
+    # WER/CER are computed (greedy decoding) but not bounded: after 36 steps the model still
+    # emits almost only blanks (measured CER 0.98 after epoch 1)
+    assert 0.0 <= s["final_test_cer"] <= 1.5 and 0.0 <= s["final_test_wer"] <= 1.5
 
 
-MEASURED = {  # filled in from the measured runs (see the docstring)
-    "cifar10": {"loss_drop": 0.0, "accuracy": 0.1},
-    "imagenet": {"loss_drop": 0.0, "accuracy": 0.1},
-    "ptb": {"loss_drop": 0.0, "perplexity": 1e9},
-    "speech": {"loss_ratio": 1.0, "cer": 1.0},
+MEASURED = {
+    # resnet20 dense, 16 steps: mean loss of the first 3 steps 2.75, of the last 3 1.93 (drop
+    # 0.82); a single step's loss on 32 images varies by about +-0.25, a 3-step mean by about
+    # +-0.15: a drop of 0.3 is about 3 such deviations under the measured drop and 2 above zero
+    "cifar10": {"loss_drop": 0.3},
+    # alexnet dense, 20 steps: test accuracy 0.285 on 200 images (chance 0.10; the binomial
+    # standard deviation of chance accuracy on 200 images is 0.021): 0.18 is 4 deviations above
+    # chance and 0.1 under the measured value
+    "imagenet": {"accuracy": 0.18},
+    # lstm_small (64 units), SGC, 1 epoch on 12,000 tokens: 3-step mean loss 7.06 -> 6.70 (drop
+    # 0.37; the stream is not shuffled, steps vary by about 0.03); valid perplexity 742.7 while
+    # a uniform guess over the ~1,200-word vocabulary of those tokens scores ~1,200
+    "ptb": {"loss_drop": 0.15, "perplexity": 1000.0},
+    # ctc_small, SGC, 2 epochs of 300 utterances (36 steps; 28 logged when measured): per-step
+    # CTC loss 578, 496, 327 in the first 3 steps (mean 467), 120..290 from step 5 on (length
+    # buckets make single steps vary by +-60); test loss after epoch 1: 168 (0.36 of 467)
+    "speech": {"loss_ratio": 0.7, "test_loss_ratio": 0.6},
 }
