@@ -97,8 +97,9 @@ MEASURED = {
     # 0.37; the stream is not shuffled, steps vary by about 0.03); valid perplexity 742.7 while
     # a uniform guess over the ~1,200-word vocabulary of those tokens scores ~1,200
     "ptb": {"loss_drop": 0.15, "perplexity": 1000.0},
-    # ctc_small, SGC, 2 epochs of 300 utterances (36 steps; 28 logged when measured): per-step
-    # CTC loss 578, 496, 327 in the first 3 steps (mean 467), 120..290 from step 5 on (length
-    # buckets make single steps vary by +-60); test loss after epoch 1: 168 (0.36 of 467)
-    "speech": {"loss_ratio": 0.7, "test_loss_ratio": 0.6},
+    # ctc_small, SGC, 2 epochs of 300 utterances (36 steps): per-step CTC loss 578, 496, 327 in
+    # the first 3 steps (mean 467), last 3 steps 225, 276, 351 (mean 284, ratio 0.61; length
+    # buckets make single steps vary by about +-60, a 3-step mean by about +-35 = 0.08 of 467);
+    # test loss 168 after epoch 1, 228 after epoch 2 (ratio 0.49); CER 0.87, WER 1.00
+    "speech": {"loss_ratio": 0.8, "test_loss_ratio": 0.7},
 }
