@@ -13,6 +13,10 @@ remove it:
 * ``HOROVOD_CYCLE_TIME=5`` (ms): 200 instead of 1,000 idle negotiation rounds per second (fewer
   packets and wake-ups) at the cost of at most one cycle of latency per collective.
 
+Both cut CPU; on the shared 2-core benchmark machine the wall-clock effect was mixed (one pair
+of runs was slower with them: a yielding thread also hands the core to other processes), so the
+wall-clock gain is established only where ranks have dedicated cores; see step_profile.md.
+
 :func:`apply_defaults` sets each only where the environment does not already (a user's or a
 launcher's own value always wins), and only has an effect before MPI is initialised: Open MPI
 reads ``OMPI_MCA_*`` and Horovod reads ``HOROVOD_*`` from the process environment in
