@@ -28,8 +28,9 @@ CONV ranks' batches (tests/mpi/check_hourglass.py checks this for 2-5 ranks, une
 included). With SGC communication delay ``H > 1`` on the CONV ranks each CONV rank applies its
 own ``g_i`` (the gradient of its local mean loss, exactly what a data-parallel rank applies)
 locally and every ``H`` steps the compressed model deltas are averaged among the CONV ranks
-(:class:`hgsgc.DistributedOptimizer`); the FC head stays synchronous every step. The FC
-exchange must have ``delay == 1``.
+(:class:`hgsgc.DistributedOptimizer`). The FC ranks follow the same semantics with their own
+``fc_compression`` (SGC with error feedback and delay ``H_fc``: each FC rank applies its own
+``g_j`` locally, every ``H_fc`` steps the compressed head deltas are averaged among FC ranks).
 
 Not supported: layers whose output depends on the batch composition (BatchNormalization in
 training mode) in the trunk, since each CONV rank normalises its own batch.
@@ -43,6 +44,8 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from hgsgc.hourglass.boundary import check_pair
+
 TAG_ACT, TAG_LABEL, TAG_GRAD = 101, 102, 103
 TAG_EVAL_HDR, TAG_EVAL_ACT, TAG_EVAL_LABEL = 111, 112, 113
 TAG_MODEL = 121
@@ -52,14 +55,10 @@ P2P_KEYS = ("activation_bytes_sent", "label_bytes_sent", "activation_grad_bytes_
             "p2p_messages")
 WIRE_DTYPES = ("float32", "float16")
 # seconds spent per phase (time.perf_counter), see HourglassTrainer.phase_times()
-PHASE_KEYS = ("conv_wait_s", "fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s")
+PHASE_KEYS = ("conv_wait_s", "fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s",
+              "codec_s")
 EXCHANGE_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
                  "dense_bytes", "messages")
-
-
-def _raw(x: np.ndarray) -> np.ndarray:
-    """A buffer MPI can type: fp16 (no MPI datatype) travels as its uint16 bit pattern."""
-    return x.view(np.uint16) if x.dtype == np.float16 else x
 
 
 class HourglassTrainer:
@@ -74,28 +73,40 @@ class HourglassTrainer:
         optimizer: a ``tf.keras.optimizers.legacy`` optimizer; wrapped per role with
             :func:`hgsgc.DistributedOptimizer` on the role's process set.
         compression: exchange among CONV ranks (e.g. ``Compression.sgc(...)``, delay allowed).
-        fc_compression: exchange among FC ranks (``delay`` must be 1; dense by default).
+        fc_compression: exchange among FC ranks (dense by default; SGC with error feedback and
+            delay as on the CONV side).
         broadcast: broadcast the role's initial weights from the role's first rank.
-        wire_dtype: numpy dtype of the boundary activations and activation gradients on the
-            wire: ``"float32"`` (exact) or ``"float16"`` (half the point-to-point bytes; values
-            are rounded to fp16: relative error <= 2^-11 for |x| >= 2^-14, absolute error
-            <= 2^-25 below that (subnormals), and a value above 65504 stops the job).
-            Compute stays in the model's dtype on both sides.
-        micro_batches: M >= 1 (at most ``batch_size``): the boundary exchange is pipelined in M
-            micro-batches; the FC rank runs the head on each as soon as it arrived from every
-            CONV rank and sends its activation gradients back while the next one is still on
-            the wire, so the FC link carries both directions at once. The FC gradient is the sum
-            over micro-batches, so the step is the same SGD step (float summation order aside;
-            dropout in the head draws its masks per micro-batch).
+        wire_dtype: legacy shorthand for both codecs: ``"float32"`` = ``fp32`` (exact),
+            ``"float16"`` = ``fp16``. Ignored where ``act_codec`` / ``grad_codec`` is given.
+        act_codec, grad_codec: boundary codecs of the two directions (activations CONV -> FC,
+            activation gradients FC -> CONV), spec strings or
+            :class:`~hgsgc.hourglass.boundary.BoundaryCodec`: ``fp32``, ``fp16``, ``q8``, ``q4``,
+            optionally ``sparse+`` (see :mod:`hgsgc.hourglass.boundary` for payload lengths and
+            error bounds). Compute stays in the model's dtype on both sides.
+        micro_batches: M >= 1 (at most ``batch_size``): GPipe-style pipeline. Each CONV rank runs
+            the trunk forward micro-batch by micro-batch and sends each as soon as it exists, so
+            the FC rank's head (forward + backward of micro-batch j, then its ``dA`` sent back)
+            overlaps the CONV rank's forward of j + 1; after the last forward the CONV rank runs
+            the backward passes in the same order, each as soon as its ``dA`` arrived. One
+            update per step: the gradients are sums over micro-batches, so the step is the same
+            SGD step (float summation order aside; dropout draws masks per micro-batch).
+        codec_seed: seed of the stochastic rounding (``numpy`` generator seeded with
+            ``(codec_seed, world rank)``).
+        record: keep this step's boundary tensors in ``self.recorded`` (tests: CONV ranks ``a``,
+            ``g_dec``; FC ranks ``a_dec``, ``g``, ``mask``, lists over micro-batches x CONV ranks).
 
     Raises:
-        ValueError: ``fc_compression`` with ``delay > 1``, ``batch_size < 1``, or an unsupported
-            ``wire_dtype``, or ``micro_batches`` outside 1..batch_size.
+        ValueError: ``batch_size < 1``, an unsupported ``wire_dtype``, ``micro_batches`` outside
+            1..batch_size.
+        hgsgc.hourglass.boundary.BoundaryCodecError: an unknown codec, or ``sparse+`` on the
+            gradient direction without it on the activation direction (or with a trunk that does
+            not end in a ReLU).
     """
 
     def __init__(self, layout, split, batch_size: int, optimizer, compression=None,
                  fc_compression=None, broadcast: bool = True, wire_dtype: str = "float32",
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, act_codec=None, grad_codec=None, codec_seed: int = 0,
+                 record: bool = False):
         import horovod.tensorflow as hvd
 
         import hgsgc
@@ -104,14 +115,17 @@ class HourglassTrainer:
         compression = as_compression(compression if compression is not None else hgsgc.Compression.none)
         fc_compression = as_compression(fc_compression if fc_compression is not None
                                         else hgsgc.Compression.none)
-        if fc_compression.delay != 1:
-            raise ValueError(f"the FC exchange of the Hourglass layout runs every step: "
-                             f"fc compression delay must be 1, got {fc_compression.delay}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if str(wire_dtype) not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
         self.wire_dtype = np.dtype(str(wire_dtype))
+        default = "fp16" if self.wire_dtype == np.float16 else "fp32"
+        self.act_codec, self.grad_codec = check_pair(act_codec or default, grad_codec or default,
+                                                     split.trunk)
+        self.rng = np.random.default_rng([int(codec_seed), int(layout.rank)])
+        self.record, self.recorded = bool(record), {}
+        self._pending = []
         if (not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool)
                 or not 1 <= micro_batches <= batch_size):
             raise ValueError(f"micro_batches must be an integer in 1..batch_size={batch_size}, "
@@ -146,14 +160,33 @@ class HourglassTrainer:
     def _build(self):
         if self.is_conv:
             trunk, opt, variables = self.net, self.opt, self.variables
+            chunks = self._chunks()
 
             @tf.function
             def conv_step(x, y):
-                with tf.GradientTape() as tape:
-                    a = trunk(x, training=True)
-                g_a = tf.numpy_function(self._conv_swap, [a, y], a.dtype, stateful=True)
-                g_a = tf.ensure_shape(g_a, a.shape)
-                grads = tape.gradient(a, variables, output_gradients=g_a)
+                # GPipe-style: every micro-batch's forward (each sent as soon as it exists, so
+                # the FC rank works on micro-batch j while this rank computes j + 1), then every
+                # micro-batch's backward in the same order (backward j runs while dA j+1 is
+                # still on the wire), then one update.
+                tok = tf.constant(0)
+                acts = []
+                with tf.GradientTape(persistent=len(chunks) > 1) as tape:
+                    for j, (lo, hi) in enumerate(chunks):
+                        with tf.control_dependencies([tok]):
+                            xj = tf.identity(x[lo:hi])
+                        a = trunk(xj, training=True)
+                        tok = tf.numpy_function(self._conv_send, [a, y[lo:hi], tf.constant(j)],
+                                                tf.int32, stateful=True)
+                        acts.append(a)
+                grads = None
+                for j, a in enumerate(acts):
+                    with tf.control_dependencies([tok]):
+                        g_a = tf.numpy_function(self._conv_recv, [tf.constant(j)], a.dtype,
+                                                stateful=True)
+                    g_a = tf.ensure_shape(g_a, a.shape)
+                    gj = tape.gradient(a, variables, output_gradients=g_a)
+                    grads = gj if grads is None else [u + v for u, v in zip(grads, gj)]
+                    tok = tf.reduce_sum(grads[0]) if len(acts) > 1 else tok
                 opt.apply_gradients(zip(grads, variables))
                 return tf.constant(0)
 
@@ -196,78 +229,113 @@ class HourglassTrainer:
         edges = np.linspace(0, self.batch_size, self.micro_batches + 1).astype(int)
         return list(zip(edges[:-1], edges[1:]))
 
-    def _conv_swap(self, a, y):
-        """CONV rank: send (A, labels) to the FC rank, receive dA (inside the step's graph).
+    def _encode(self, codec, x, mask=None):
+        t0 = time.perf_counter()
+        out = codec.encode(x, self.rng, mask=mask)
+        self.times["codec_s"] += time.perf_counter() - t0
+        return out
 
-        With ``micro_batches = M > 1`` the batch goes as M consecutive messages per tensor (same
-        tags: MPI keeps their order), so the FC rank can start on the first while the rest are
-        on the wire.
-        """
+    def _decode(self, codec, buf, rows, mask=None):
+        t0 = time.perf_counter()
+        out = codec.decode(buf, rows, self.features, mask=mask)
+        self.times["codec_s"] += time.perf_counter() - t0
+        return out
+
+    def _conv_send(self, a, y, j):
+        """CONV rank, micro-batch ``j``: encode and ``Isend`` its activations and labels to the FC
+        rank and post the ``Irecv`` of its activation gradients (inside the step's graph, right
+        after the micro-batch's forward pass). Micro-batches go as consecutive messages with the
+        same tags (MPI keeps their order)."""
+        j = int(j)
+        if j == 0:
+            self._pending = []
+        rows = a.shape[0]
+        flat = np.ascontiguousarray(a, np.float32).reshape(rows, self.features)
+        payload = self._encode(self.act_codec, flat)
+        mask = (flat != 0) if self.grad_codec.sparse else None
+        nnz = int(np.count_nonzero(mask)) if mask is not None else None
+        g_buf = np.empty(self.grad_codec.length(rows, self.features, nnz, masked=True), np.uint8)
+        yy = np.ascontiguousarray(y, dtype=np.int32)
+        fc = self.layout.my_fc
+        reqs = [self.comm.Isend(payload, dest=fc, tag=TAG_ACT),
+                self.comm.Isend(yy, dest=fc, tag=TAG_LABEL),
+                self.comm.Irecv(g_buf, source=fc, tag=TAG_GRAD)]
+        self._pending.append((reqs, payload, yy, g_buf, mask, flat))
+        c = self.counts
+        c["activation_bytes_sent"] += payload.nbytes
+        c["label_bytes_sent"] += yy.nbytes
+        c["activation_grad_bytes_received"] += g_buf.nbytes
+        c["p2p_messages"] += 3
+        return np.int32(j)
+
+    def _conv_recv(self, j):
+        """CONV rank, micro-batch ``j``: wait for its activation gradients, decode them."""
         from mpi4py import MPI
 
-        out_dtype = a.dtype
-        a = self._to_wire(a)
-        y = np.ascontiguousarray(y, dtype=np.int32)
-        g = np.empty_like(a)
-        fc = self.layout.my_fc
+        reqs, payload, yy, g_buf, mask, flat = self._pending[int(j)]
         t0 = time.perf_counter()
-        reqs = []
-        for lo, hi in self._chunks():
-            reqs += [self.comm.Isend(_raw(a[lo:hi]), dest=fc, tag=TAG_ACT),
-                     self.comm.Isend(y[lo:hi], dest=fc, tag=TAG_LABEL),
-                     self.comm.Irecv(_raw(g[lo:hi]), source=fc, tag=TAG_GRAD)]
         MPI.Request.Waitall(reqs)
         self.times["conv_wait_s"] += time.perf_counter() - t0
-        c = self.counts
-        c["activation_bytes_sent"] += a.nbytes
-        c["label_bytes_sent"] += y.nbytes
-        c["activation_grad_bytes_received"] += g.nbytes
-        c["p2p_messages"] += len(reqs)
-        return g.astype(out_dtype, copy=False)
-
-    def _to_wire(self, x: np.ndarray) -> np.ndarray:
-        """``x`` as a contiguous array of the wire dtype (overflow to inf raises)."""
-        w = np.ascontiguousarray(x, dtype=self.wire_dtype)
-        if w.dtype != x.dtype and not np.all(np.isfinite(w)) and np.all(np.isfinite(x)):
-            raise FloatingPointError(f"boundary values exceed the range of wire_dtype "
-                                     f"{self.wire_dtype.name} (max |x| = {np.max(np.abs(x)):.3g}): "
-                                     f"use hourglass.wire_dtype=float32")
-        return w
+        g, _ = self._decode(self.grad_codec, g_buf, flat.shape[0], mask=mask)
+        if self.record:
+            self.recorded.setdefault("a", []).append(flat.copy())
+            self.recorded.setdefault("g_dec", []).append(g.copy())
+        return g.reshape((flat.shape[0],) + self.a_shape).astype(self.a_dtype, copy=False)
 
     def _fc_step(self) -> float:
-        """FC rank: per micro-batch, wait for it from every CONV rank, run the head, send the
-        activation gradients back at once (they travel while the next micro-batch arrives);
-        then one FC exchange + update with the summed gradients."""
+        """FC rank: per micro-batch, wait for it from every CONV rank, decode, run the head,
+        encode and send the activation gradients back at once (they travel while the next
+        micro-batch arrives); then one FC exchange + update with the summed gradients."""
         from mpi4py import MPI
 
-        b, convs = self.batch_size, self.layout.my_convs
-        acts = [np.empty((b,) + self.a_shape, self.wire_dtype) for _ in convs]
-        labels = [np.empty(b, np.int32) for _ in convs]
-        g_wire = [np.empty((b,) + self.a_shape, self.wire_dtype) for _ in convs]
+        convs, f = self.layout.my_convs, self.features
         chunks = self._chunks()
         tm = self.times
         recvs = []
         for lo, hi in chunks:  # posted in order: the j-th message of a tag is chunk j
-            recvs.append([r for c, a, y in zip(convs, acts, labels)
-                          for r in (self.comm.Irecv(_raw(a[lo:hi]), source=c, tag=TAG_ACT),
-                                    self.comm.Irecv(y[lo:hi], source=c, tag=TAG_LABEL))])
-        sends, total, grads = [], 0.0, None
-        for (lo, hi), reqs in zip(chunks, recvs):
-            t1 = time.perf_counter()
-            MPI.Request.Waitall(reqs)
-            t2 = time.perf_counter()
-            a = np.concatenate([x[lo:hi] for x in acts]).astype(self.a_dtype, copy=False)
-            y = np.concatenate([x[lo:hi] for x in labels])
-            s, g_a, g = self._fc_grads(tf.constant(a), tf.constant(y))
-            g_a = self._to_wire(g_a.numpy())
+            bufs = [(np.empty(self.act_codec.max_length(hi - lo, f), np.uint8),
+                     np.empty(hi - lo, np.int32)) for _ in convs]
+            reqs = [r for c, (p, y) in zip(convs, bufs)
+                    for r in (self.comm.Irecv(p, source=c, tag=TAG_ACT),
+                              self.comm.Irecv(y, source=c, tag=TAG_LABEL))]
+            recvs.append((bufs, reqs))
+        sends, keep, total, grads = [], [], 0.0, None
+        cnt = self.counts
+        for (lo, hi), (bufs, reqs) in zip(chunks, recvs):
             rows = hi - lo
+            statuses = [MPI.Status() for _ in reqs]
+            t1 = time.perf_counter()
+            MPI.Request.Waitall(reqs, statuses)
+            t2 = time.perf_counter()
+            acts, masks, labels = [], [], []
+            for i, (p, y) in enumerate(bufs):
+                nbytes = statuses[2 * i].Get_count(MPI.BYTE)
+                a, m = self._decode(self.act_codec, p[:nbytes], rows)
+                acts.append(a)
+                masks.append(m)
+                labels.append(y)
+                cnt["activation_bytes_received"] += nbytes
+                cnt["label_bytes_received"] += y.nbytes
+            a = np.concatenate(acts).reshape((-1,) + self.a_shape).astype(self.a_dtype, copy=False)
+            y = np.concatenate(labels)
+            t3 = time.perf_counter()
+            s, g_a, g = self._fc_grads(tf.constant(a), tf.constant(y))
+            t4 = time.perf_counter()
+            g_a = g_a.numpy().reshape(-1, f)
             for i, c in enumerate(convs):
-                g_wire[i][lo:hi] = g_a[i * rows:(i + 1) * rows]
-                sends.append(self.comm.Isend(_raw(g_wire[i][lo:hi]), dest=c, tag=TAG_GRAD))
+                gi = g_a[i * rows:(i + 1) * rows]
+                payload = self._encode(self.grad_codec, gi, masks[i] if self.grad_codec.sparse else None)
+                if self.record:
+                    self.recorded.setdefault("a_dec", []).append(acts[i].copy())
+                    self.recorded.setdefault("g", []).append(gi.copy())
+                    self.recorded.setdefault("mask", []).append(None if masks[i] is None else masks[i].copy())
+                keep.append(payload)
+                sends.append(self.comm.Isend(payload, dest=c, tag=TAG_GRAD))
+                cnt["activation_grad_bytes_sent"] += payload.nbytes
             total += float(s)
             grads = g if grads is None else [x + z for x, z in zip(grads, g)]
             tm["fc_recv_wait_s"] += t2 - t1
-            tm["fc_compute_s"] += time.perf_counter() - t2
+            tm["fc_compute_s"] += t4 - t3
         t3 = time.perf_counter()
         self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
         t4 = time.perf_counter()
@@ -275,12 +343,8 @@ class HourglassTrainer:
         t5 = time.perf_counter()
         tm["fc_apply_s"] += t4 - t3
         tm["fc_send_wait_s"] += t5 - t4
-        cnt = self.counts
-        cnt["activation_bytes_received"] += sum(x.nbytes for x in acts)
-        cnt["label_bytes_received"] += sum(x.nbytes for x in labels)
-        cnt["activation_grad_bytes_sent"] += sum(x.nbytes for x in g_wire)
         cnt["p2p_messages"] += 3 * len(convs) * len(chunks)
-        n_examples = b * len(convs)
+        n_examples = self.batch_size * len(convs)
         self._train_loss += (total, n_examples)
         return total / n_examples
 
@@ -306,14 +370,14 @@ class HourglassTrainer:
         return out
 
     def synchronize(self) -> bool:
-        """Run the pending SGC sync now (CONV ranks with ``delay > 1`` and local steps since the
-        last sync), so every CONV rank holds the same trunk; call on every rank before evaluating
-        or saving (a collective among CONV ranks; FC ranks return at once).
+        """Run the pending SGC sync now (a role with ``delay > 1`` and local steps since the last
+        sync), so every CONV rank holds the same trunk and every FC rank the same head; call on
+        every rank before evaluating or saving (a collective within each role).
 
         Returns:
             True if an exchange ran on this rank.
         """
-        if self.is_conv and hasattr(self.opt, "hgsgc_synchronize"):
+        if hasattr(self.opt, "hgsgc_synchronize"):
             return bool(self.opt.hgsgc_synchronize(self.variables))
         return False
 
@@ -335,9 +399,10 @@ class HourglassTrainer:
             fc = self.layout.my_fc
             self.comm.Send(np.array([n, batch_size], np.int64), dest=fc, tag=TAG_EVAL_HDR)
             for s in range(0, n, batch_size):
-                a = self._to_wire(self._conv_eval(tf.constant(x[s:s + batch_size])).numpy())
+                a = self._conv_eval(tf.constant(x[s:s + batch_size])).numpy()
+                payload = self.act_codec.encode(a.reshape(len(a), -1), self.rng)
                 yy = np.ascontiguousarray(y[s:s + batch_size], dtype=np.int32)
-                MPI.Request.Waitall([self.comm.Isend(_raw(a), dest=fc, tag=TAG_EVAL_ACT),
+                MPI.Request.Waitall([self.comm.Isend(payload, dest=fc, tag=TAG_EVAL_ACT),
                                      self.comm.Isend(yy, dest=fc, tag=TAG_EVAL_LABEL)])
         else:
             convs = self.layout.my_convs
@@ -353,15 +418,18 @@ class HourglassTrainer:
                     rows = min(eb, n - r * eb)
                     if rows <= 0:
                         continue
-                    a = np.empty((rows,) + self.a_shape, self.wire_dtype)
+                    a = np.empty(self.act_codec.max_length(rows, self.features), np.uint8)
                     yy = np.empty(rows, np.int32)
-                    reqs += [self.comm.Irecv(_raw(a), source=c, tag=TAG_EVAL_ACT),
+                    reqs += [self.comm.Irecv(a, source=c, tag=TAG_EVAL_ACT),
                              self.comm.Irecv(yy, source=c, tag=TAG_EVAL_LABEL)]
                     acts.append(a)
                     labels.append(yy)
-                MPI.Request.Waitall(reqs)
-                l, k = self._fc_eval(tf.constant(np.concatenate(acts).astype(self.a_dtype, copy=False)),
-                                     tf.constant(np.concatenate(labels)))
+                statuses = [MPI.Status() for _ in reqs]
+                MPI.Request.Waitall(reqs, statuses)
+                dec = [self.act_codec.decode(a[:st.Get_count(MPI.BYTE)], len(yy), self.features)[0]
+                       for a, yy, st in zip(acts, labels, statuses[0::2])]
+                a = np.concatenate(dec).reshape((-1,) + self.a_shape).astype(self.a_dtype, copy=False)
+                l, k = self._fc_eval(tf.constant(a), tf.constant(np.concatenate(labels)))
                 sums += (float(l), float(k), sum(len(t) for t in labels))
         tot = np.zeros(3)
         self.comm.Allreduce(sums, tot, op=MPI.SUM)

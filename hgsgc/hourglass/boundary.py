@@ -1,0 +1,343 @@
+"""Boundary codecs: how activations (CONV -> FC) and activation gradients (FC -> CONV) travel.
+
+A boundary message is one micro-batch of one CONV rank: a float32 matrix ``x [r, f]`` (``r`` rows =
+examples, ``f`` boundary features), encoded into one contiguous ``uint8`` payload whose length is
+known by formula. Codecs are chosen per direction (``hourglass.act_codec``,
+``hourglass.grad_codec``) by a spec string ``[sparse+]VALUES`` with ``VALUES`` one of:
+
+========  ===========================================  =========================================
+VALUES    payload of ``n`` values over ``f`` features  error of each decoded value (per entry)
+========  ===========================================  =========================================
+``fp32``  ``4 n``                                      0 (lossless)
+``fp16``  ``2 n``                                      ``<= 2^-11 |x|`` for ``|x| >= 2^-14``,
+                                                       ``<= 2^-25`` below (subnormals)
+``q8``    ``4 f + n``                                  ``< Delta_j``, unbiased (see below)
+``q4``    ``4 f + ceil(n / 2)``                        ``< Delta_j``, unbiased
+========  ===========================================  =========================================
+
+**Quantizers (``q8``, ``q4``, ``k`` bits, ``L = 2^k - 1`` steps): per-feature linear, stochastic
+rounding.** For feature ``j`` the encoder takes ``lo_j = min``, ``hi_j = max`` of the values of
+that feature in the message, rounds ``lo_j`` down and ``hi_j`` up to float16 (the two scales travel
+as 2 + 2 bytes per feature: ``4 f``), sets ``Delta_j = (hi_j - lo_j) / L`` (float32, computed
+identically by the decoder), and sends ``c = floor((x - lo_j) / Delta_j + u)`` with
+``u ~ U[0, 1)``, clipped to ``0..L``; the receiver decodes ``lo_j + c Delta_j``. So every decoded
+value is within ``Delta_j`` of ``x`` (plus float32 rounding of ``lo_j + c Delta_j``, a few ulp) and
+``E[decoded] = x``: the rounding is **unbiased**. Why stochastic rounding and not deterministic
+rounding with error feedback: a boundary tensor belongs to one micro-batch of examples that is
+never sent again, so a residual kept for "the same tensor next step" would be added to different
+examples' activations - error feedback has no tensor to feed back into. Unbiased rounding makes
+the gradient of the step an unbiased (noisier) estimate instead, the property SGD needs. A value
+beyond float16's range (65504) stops the job with a message naming the setting.
+
+**Sparse (``sparse+VALUES``): post-ReLU zeros.** Activations: a bitmap of the non-zero entries,
+``ceil(r f / 8)`` bytes (row-major, numpy ``packbits`` bit order), then the ``nnz`` non-zero values
+encoded by ``VALUES`` (the quantizer's per-feature scales over each feature's non-zeros); zeros are
+decoded exactly. Payload ``ceil(r f / 8) + V(nnz, f)``. Activation gradients: the FC rank already
+knows the zero pattern (the activation bitmap it received), so ``sparse+VALUES`` on the gradient
+direction sends only the gradient entries where the activation was non-zero, ``V(nnz, f)`` bytes,
+no bitmap; the CONV rank puts them back at its own non-zeros and zeros elsewhere. This is exact
+(adds no error) when the trunk's output gradient vanishes where the output is 0, which holds when
+the trunk ends in a ReLU followed only by pooling / flatten / reshape / dropout
+(:func:`masking_is_exact` checks the model; e.g. ``alexnet_small``: conv2(relu) -> pool2 ->
+flatten); it needs ``sparse+...`` on the activation direction too.
+
+Payload lengths (``P(r, f, nnz)``) are exact: the tests compare every byte counter with them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+VALUE_CODECS = ("fp32", "fp16", "q8", "q4")
+_F16_MAX = float(np.finfo(np.float16).max)
+
+
+class BoundaryCodecError(ValueError):
+    """An unknown codec spec, or a combination that cannot work (named in the message)."""
+
+
+def _fp16_down(x: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
+
+
+def _fp16_up(x: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+
+
+@dataclass(frozen=True)
+class ValueCodec:
+    """Encodes ``n`` float32 values, each tagged with its feature ``0..f-1`` (see module doc).
+
+    Attributes:
+        kind: ``"fp32"``, ``"fp16"``, ``"q8"`` or ``"q4"``.
+    """
+
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in VALUE_CODECS:
+            raise BoundaryCodecError(f"unknown boundary value codec {self.kind!r}: use one of "
+                                     f"{', '.join(VALUE_CODECS)} (optionally with sparse+)")
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "fp16": 16, "q8": 8, "q4": 4}[self.kind]
+
+    @property
+    def lossless(self) -> bool:
+        return self.kind == "fp32"
+
+    def length(self, n: int, f: int) -> int:
+        """Payload bytes of ``n`` values over ``f`` features: ``4n`` | ``2n`` | ``4f + ceil(n k/8)``."""
+        if self.kind == "fp32":
+            return 4 * n
+        if self.kind == "fp16":
+            return 2 * n
+        return 4 * f + math.ceil(n * self.bits / 8)
+
+    def encode(self, x: np.ndarray, mask: Optional[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+        """``x [r, f]`` float32; ``mask [r, f]`` bool (values sent: ``x[mask]``, row-major) or
+        None (all). Returns uint8 ``[length(n, f)]``.
+
+        Raises:
+            FloatingPointError: a value (fp16) or a scale (q8/q4) beyond float16's range.
+        """
+        v = x[mask] if mask is not None else x.reshape(-1)
+        f = x.shape[1]
+        if self.kind == "fp32":
+            return np.ascontiguousarray(v, np.float32).view(np.uint8)
+        if self.kind == "fp16":
+            h = v.astype(np.float16)
+            if not np.all(np.isfinite(h)) and np.all(np.isfinite(v)):
+                raise FloatingPointError(
+                    f"boundary values exceed float16's range (max |x| = {np.max(np.abs(v)):.3g}): "
+                    f"use an fp32 boundary codec (hourglass.act_codec / grad_codec)")
+            return h.view(np.uint8)
+        lo, hi = self.scales(x, mask)
+        delta = self.step(lo, hi)
+        L = (1 << self.bits) - 1
+        feat = np.nonzero(mask)[1] if mask is not None else np.tile(np.arange(f), x.shape[0])
+        d = delta[feat]
+        t = np.where(d > 0, (v - lo.astype(np.float32)[feat]) / np.where(d > 0, d, 1), 0)
+        codes = np.clip(np.floor(t + rng.random(t.shape, dtype=np.float32)), 0, L).astype(np.uint8)
+        if self.bits == 4:
+            if len(codes) % 2:
+                codes = np.append(codes, np.uint8(0))
+            codes = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+        return np.concatenate([lo.view(np.uint8), hi.view(np.uint8), codes])
+
+    def scales(self, x: np.ndarray, mask: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+        """Per-feature ``(lo, hi)`` float16 ``[f]``: min rounded down, max rounded up (0 for a
+        feature without values)."""
+        if mask is None:
+            lo, hi = x.min(0), x.max(0)
+        else:
+            lo = np.where(mask, x, np.inf).min(0)
+            hi = np.where(mask, x, -np.inf).max(0)
+            empty = ~mask.any(0)
+            lo[empty] = 0
+            hi[empty] = 0
+        lo16, hi16 = _fp16_down(lo.astype(np.float32)), _fp16_up(hi.astype(np.float32))
+        if not (np.all(np.isfinite(lo16)) and np.all(np.isfinite(hi16))):
+            raise FloatingPointError(
+                f"boundary values exceed float16's range for the {self.kind} scales "
+                f"(max |x| = {max(abs(float(lo.min())), abs(float(hi.max()))):.3g} > {_F16_MAX:g}): "
+                f"use an fp32 boundary codec (hourglass.act_codec / grad_codec)")
+        return lo16.astype(np.float16), hi16.astype(np.float16)
+
+    def step(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``Delta_j = (hi_j - lo_j) / (2^k - 1)`` float32 ``[f]``, the per-feature error bound."""
+        return ((hi.astype(np.float32) - lo.astype(np.float32)) / np.float32((1 << self.bits) - 1)).astype(np.float32)
+
+    def decode(self, buf: np.ndarray, n: int, feat: np.ndarray, f: int) -> np.ndarray:
+        """Inverse of :meth:`encode`: ``n`` float32 values (``feat [n]``: their features)."""
+        if self.kind == "fp32":
+            return buf[:4 * n].view(np.float32)
+        if self.kind == "fp16":
+            return buf[:2 * n].view(np.float16).astype(np.float32)
+        lo = buf[:2 * f].view(np.float16)
+        hi = buf[2 * f:4 * f].view(np.float16)
+        delta = self.step(lo, hi)
+        body = buf[4 * f:]
+        if self.bits == 4:
+            codes = np.empty(2 * len(body), np.uint8)
+            codes[0::2] = body & 15
+            codes[1::2] = body >> 4
+            codes = codes[:n]
+        else:
+            codes = body[:n]
+        return lo.astype(np.float32)[feat] + codes.astype(np.float32) * delta[feat]
+
+
+@dataclass(frozen=True)
+class BoundaryCodec:
+    """One direction's codec: ``values`` (:class:`ValueCodec`), optionally ``sparse``.
+
+    ``spec``: ``"fp32"``, ``"fp16"``, ``"q8"``, ``"q4"``, or ``"sparse+"`` one of those
+    (``"sparse"`` alone = ``"sparse+fp32"``). Payload length of an ``[r, f]`` message with ``nnz``
+    non-zero entries (the activation bitmap's count):
+
+    * dense: ``V(r f, f)``;
+    * sparse, activations: ``ceil(r f / 8) + V(nnz, f)``;
+    * sparse, activation gradients (``masked=True``, the zero pattern is the activations'):
+      ``V(nnz, f)``;
+
+    with ``V(n, f)`` = ``4 n`` (fp32), ``2 n`` (fp16), ``4 f + n`` (q8), ``4 f + ceil(n / 2)`` (q4).
+    """
+
+    values: ValueCodec
+    sparse: bool = False
+
+    @staticmethod
+    def parse(spec) -> "BoundaryCodec":
+        """A codec from its spec string (or return a codec unchanged).
+
+        Raises:
+            BoundaryCodecError: an unknown spec, naming the valid ones.
+        """
+        if isinstance(spec, BoundaryCodec):
+            return spec
+        s = str(spec).strip().lower()
+        parts = s.split("+")
+        sparse = parts[0] == "sparse"
+        if sparse:
+            parts = parts[1:] or ["fp32"]
+        if len(parts) != 1 or parts[0] not in VALUE_CODECS:
+            raise BoundaryCodecError(
+                f"unknown boundary codec {spec!r}: use one of {', '.join(VALUE_CODECS)}, optionally "
+                f"prefixed with sparse+ (e.g. sparse+q4)")
+        return BoundaryCodec(ValueCodec(parts[0]), sparse)
+
+    @property
+    def name(self) -> str:
+        return ("sparse+" if self.sparse else "") + self.values.kind
+
+    @property
+    def lossless(self) -> bool:
+        """Decoding returns exactly the encoded values (fp32, with or without sparse)."""
+        return self.values.lossless
+
+    def length(self, rows: int, features: int, nnz: Optional[int] = None, masked: bool = False) -> int:
+        """Exact payload bytes (class docstring); ``nnz`` is needed when ``sparse``."""
+        n = rows * features
+        if not self.sparse:
+            return self.values.length(n, features)
+        if nnz is None:
+            raise ValueError("a sparse boundary codec's length needs nnz (the non-zero count)")
+        bitmap = 0 if masked else math.ceil(n / 8)
+        return bitmap + self.values.length(int(nnz), features)
+
+    def max_length(self, rows: int, features: int, masked: bool = False) -> int:
+        """Largest payload of an ``[rows, features]`` message (all entries non-zero)."""
+        return self.length(rows, features, rows * features, masked) if self.sparse else self.length(rows, features)
+
+    def encode(self, x: np.ndarray, rng: np.random.Generator, mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Encode ``x [r, f]`` (float32) into uint8 ``[length]``.
+
+        ``mask``: for the gradient direction of a sparse codec, the activations' non-zero pattern
+        (only ``x[mask]`` is sent); None on the activation direction (the bitmap is ``x != 0``).
+        """
+        x = np.ascontiguousarray(x, np.float32).reshape(x.shape[0], -1)
+        if not self.sparse:
+            return self.values.encode(x, None, rng)
+        if mask is not None:
+            return self.values.encode(x, mask.reshape(x.shape), rng)
+        m = x != 0
+        return np.concatenate([np.packbits(m.reshape(-1)), self.values.encode(x, m, rng)])
+
+    def decode(self, buf: np.ndarray, rows: int, features: int,
+               mask: Optional[np.ndarray] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Inverse of :meth:`encode`: ``(x float32 [rows, features], mask bool [rows, features] or
+        None)``; the mask is the bitmap's non-zero pattern (sparse activations) or the given one."""
+        n = rows * features
+        if not self.sparse:
+            feat = np.tile(np.arange(features), rows)
+            return self.values.decode(buf, n, feat, features).reshape(rows, features), None
+        if mask is None:
+            nb = math.ceil(n / 8)
+            mask = np.unpackbits(buf[:nb], count=n).astype(bool).reshape(rows, features)
+            buf = buf[nb:]
+        else:
+            mask = mask.reshape(rows, features)
+        out = np.zeros((rows, features), np.float32)
+        feat = np.nonzero(mask)[1]
+        out[mask] = self.values.decode(buf, len(feat), feat, features)
+        return out, mask
+
+    def error_bound(self, x: np.ndarray, mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Per-entry bound on ``|decode(encode(x)) - x|`` for ``x [r, f]`` (float32 ``[r, f]``).
+
+        fp32: 0; fp16: ``2^-11 |x|`` (``2^-25`` below 2^-14); q8/q4: ``Delta_j`` of the entry's
+        feature (plus 4 float32 ulp of ``max(|lo_j|, |hi_j|)`` for the decoder's arithmetic); a
+        sparse codec adds nothing on its zeros / masked-out entries (these decode to exactly 0).
+        """
+        x = np.asarray(x, np.float32).reshape(x.shape[0], -1)
+        m = (x != 0 if mask is None else mask.reshape(x.shape)) if self.sparse else None
+        k = self.values.kind
+        if k == "fp32":
+            b = np.zeros_like(x)
+        elif k == "fp16":
+            b = np.maximum(np.abs(x) * 2.0 ** -11, 2.0 ** -25).astype(np.float32)
+        else:
+            lo, hi = self.values.scales(x, m)
+            mag = np.maximum(np.abs(lo.astype(np.float32)), np.abs(hi.astype(np.float32)))
+            b = np.broadcast_to(self.values.step(lo, hi) + 4 * np.spacing(mag), x.shape).copy()
+        if m is not None:
+            b[~m] = 0
+        return b
+
+    def to_dict(self) -> dict:
+        return {"codec": self.name, "sparse": self.sparse, "values": self.values.kind,
+                "bits": self.values.bits}
+
+
+def masking_is_exact(trunk) -> bool:
+    """True when the trunk's output gradient is ignored where the output is 0.
+
+    Walks back from the trunk's last layer through Flatten / Reshape / MaxPooling / AveragePooling
+    / Dropout (which keep "output 0 => every contributing input 0" after a ReLU) to the first
+    other layer, and checks that it applies ReLU (``activation="relu"`` or a ReLU layer): ReLU's
+    gradient is 0 where its output is 0, so zeroing ``dA`` there changes no trunk gradient.
+    Only Sequential-like chains are followed; anything else returns False.
+    """
+    import tensorflow as tf
+
+    passthrough = (tf.keras.layers.Flatten, tf.keras.layers.Reshape, tf.keras.layers.Dropout,
+                   tf.keras.layers.MaxPooling1D, tf.keras.layers.MaxPooling2D,
+                   tf.keras.layers.MaxPooling3D, tf.keras.layers.AveragePooling1D,
+                   tf.keras.layers.AveragePooling2D, tf.keras.layers.AveragePooling3D)
+    layers = [l for l in trunk.layers if not isinstance(l, tf.keras.layers.InputLayer)]
+    for layer in reversed(layers):
+        if isinstance(layer, passthrough):
+            continue
+        if isinstance(layer, tf.keras.layers.ReLU):
+            return True
+        act = getattr(layer, "activation", None)
+        return act is tf.keras.activations.relu or getattr(act, "__name__", "") == "relu"
+    return False
+
+
+def check_pair(act, grad, trunk=None) -> Tuple[BoundaryCodec, BoundaryCodec]:
+    """Parse and check the two directions' codecs.
+
+    Raises:
+        BoundaryCodecError: a sparse gradient codec without a sparse activation codec (the FC rank
+            would not know the zero pattern), or with a trunk for which masking is not exact.
+    """
+    a, g = BoundaryCodec.parse(act), BoundaryCodec.parse(grad)
+    if g.sparse and not a.sparse:
+        raise BoundaryCodecError(
+            f"hourglass.grad_codec={g.name} sends gradients only at the activations' non-zeros, "
+            f"which the FC rank learns from a sparse activation codec: set hourglass.act_codec to "
+            f"sparse+{a.values.kind} or drop sparse+ from grad_codec")
+    if g.sparse and trunk is not None and not masking_is_exact(trunk):
+        raise BoundaryCodecError(
+            f"hourglass.grad_codec={g.name}: the trunk {trunk.name!r} does not end in a ReLU "
+            f"(+ pooling/flatten), so gradients at zero activations matter: use grad_codec="
+            f"{g.values.kind}")
+    return a, g
