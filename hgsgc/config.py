@@ -106,6 +106,9 @@ class HourglassConfig:
     link_bandwidth_mbps: float = 1000.0  # cost-model input for fc_workers=auto
     wire_dtype: str = "float32"  # activations + activation gradients on the wire: float32 | float16
     micro_batches: int = 1  # pipeline the boundary exchange in this many micro-batches (1..batch_size)
+    act_codec: Optional[str] = None  # CONV -> FC: fp32 | fp16 | q8 | q4, optionally sparse+ (default: wire_dtype)
+    grad_codec: Optional[str] = None  # FC -> CONV: same choices (docs/hourglass.md, "Boundary codecs")
+    fc_delay: int = 1  # SGC communication delay among FC ranks (fc_method=sgc)
 
 
 @dataclass
@@ -292,6 +295,30 @@ def validate(cfg: Config) -> None:
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
     if not h.link_bandwidth_mbps > 0:
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
+    from hgsgc.hourglass.boundary import BoundaryCodec, BoundaryCodecError, check_pair
+
+    for key in ("act_codec", "grad_codec"):
+        v = getattr(h, key)
+        if v is None:
+            continue
+        try:
+            BoundaryCodec.parse(v)
+        except BoundaryCodecError:
+            bad(f"hourglass.{key}", v, "use fp32, fp16, q8 or q4, optionally prefixed with sparse+ "
+                                      "(e.g. sparse+q8)")
+        if h.wire_dtype != "float32":
+            bad("hourglass.wire_dtype", h.wire_dtype, f"set either wire_dtype or hourglass.{key}, "
+                                                      f"not both (fp16 is the codec fp16)")
+    if h.grad_codec is not None:
+        try:
+            check_pair(h.act_codec or "fp32", h.grad_codec)
+        except BoundaryCodecError as exc:
+            raise ConfigError(str(exc)) from None
+    if isinstance(h.fc_delay, bool) or not isinstance(h.fc_delay, int) or h.fc_delay < 1:
+        bad("hourglass.fc_delay", h.fc_delay, "must be an integer >= 1")
+    if h.fc_delay != 1 and h.fc_method != "sgc":
+        bad("hourglass.fc_delay", h.fc_delay, f"communication delay among FC ranks needs "
+                                              f"hourglass.fc_method=sgc (it is {h.fc_method})")
 
 
 def _check_task(cfg: Config, bad) -> None:
@@ -345,7 +372,7 @@ def _check_unused(cfg: Config, bad) -> None:
         bad("compression.bits", c.bits, f"method {c.method} has no value bits (they apply to "
                                         "topk, sgc and dgc): remove it")
     if cfg.layout != "hourglass":
-        for key in ("wire_dtype", "micro_batches"):
+        for key in ("wire_dtype", "micro_batches", "act_codec", "grad_codec", "fc_delay"):
             if getattr(h, key) != getattr(dh, key):
                 bad(f"hourglass.{key}", getattr(h, key), "it applies to layout=hourglass only: "
                                                           "remove it or set layout=hourglass")

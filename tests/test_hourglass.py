@@ -347,6 +347,66 @@ def test_byte_accounting_equals_formula(result):
 
 
 @pytest.mark.mpi
+def test_lossless_codec_and_pipeline_step_equals_single_process_step(result):
+    """sparse (bitmap + fp32 non-zeros, gradients masked by the activations' zeros), pipelined in
+    2 micro-batches: exactly the single-process step."""
+    for rank, F, o in _layouts(result):
+        c = o["codecs"]["sparse/sparse/M2"]
+        assert c["lossless"] and c["act_err_over_bound"] == 0 and c["grad_err_over_bound"] == 0
+        assert c["step_err_vs_lossless"] < 1e-6, (rank, F, o["role"], c)
+
+
+@pytest.mark.mpi
+def test_lossy_codecs_within_their_bounds(result):
+    """Every decoded activation / activation gradient of the step is within the codec's per-entry
+    bound of what was encoded, and the step is exactly the SGD step on the decoded tensors, so its
+    distance from the lossless step is the codec error propagated through one step."""
+    for rank, F, o in _layouts(result):
+        for name, c in o["codecs"].items():
+            assert c["act_err_over_bound"] <= 1.0 and c["grad_err_over_bound"] <= 1.0, (rank, name, c)
+            assert c["step_err_vs_decoded_ref"] < 1e-6, (rank, F, name, c)
+            if not c["lossless"]:
+                assert 0 < c["step_err_vs_lossless"] < 0.01, (rank, F, name, c)
+
+
+@pytest.mark.mpi
+def test_codec_byte_counts_equal_the_formulas(result):
+    B = 6
+    for rank, F, o in _layouts(result):
+        m = 1 if o["role"] == "conv" else len(o["my_convs"])
+        for name, c in o["codecs"].items():
+            got = c["bytes"]
+            if o["role"] == "conv":
+                a, g = got["activation_bytes_sent"], got["activation_grad_bytes_received"]
+                assert got["label_bytes_sent"] == 4 * B
+            else:
+                a, g = got["activation_bytes_received"], got["activation_grad_bytes_sent"]
+                assert got["label_bytes_received"] == 4 * B * m
+            assert a == c["expected_act_bytes"] and g == c["expected_grad_bytes"], (rank, name, got, c)
+            assert 0 < a <= m * c["fp32_boundary_bytes"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("result", [5], indirect=True)  # 2 FC ranks
+def test_sgc_among_fc_ranks_with_delay(result):
+    seen = 0
+    for rank, F, o in _layouts(result):
+        if F < 2:
+            continue
+        seen += 1
+        sp = o["fc_sgc_spreads"]
+        got = o["fc_sgc_bytes"]
+        if o["role"] == "fc":
+            assert sp[1] == 0.0 and sp[3] == 0.0 and sp[0] > 0 and sp[2] > 0, sp  # delay 2
+            P = _sparse_payload(o["fc_shapes"], 0.1, 2)
+            assert got["exchange_exchanges"] == 2 and got["exchange_payload_bytes"] == 2 * P
+            assert got["exchange_bytes_sent"] == got["exchange_bytes_received"] == 2 * (F - 1) * P
+        else:
+            assert got["exchange_bytes_sent"] == 4 * _ring(o["n_conv"], 4 * o["d_conv"])  # dense, 4 steps
+    assert seen == result["size"]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("result", [4], indirect=True)  # fc_workers=auto is checked with 4 ranks
 def test_auto_fc_workers_agree(result):
     assert result["size"] == 4
@@ -381,6 +441,21 @@ def test_main_job_summary_and_model(result, tf):
     assert fc["exchange_bytes_sent_per_step_per_rank"] == 0  # a single FC rank exchanges nothing
     assert math.isclose(s["total_bytes_sent_per_step"],
                         sum(p["bytes_sent"] for r in ("conv", "fc") for p in s["roles"][r]["per_rank"]))
+    # the headline: every byte of the step against dense data parallelism, parts beside it
+    t = s["traffic"]
+    parts = t["parts"]
+    assert math.isclose(t["bytes_per_step"], s["total_bytes_sent_per_step"])
+    assert math.isclose(t["bytes_per_step"], sum(parts[k]["bytes_per_step"] for k in (
+        "activations", "labels", "activation_gradients", "conv_exchange", "fc_exchange")))
+    d = s["parameters"]
+    assert t["dense_data_parallel_bytes_per_step"] == 2 * (3 - 1) * 4 * d
+    assert s["compression_ratio"] == t["ratio"] == t["dense_data_parallel_bytes_per_step"] / t["bytes_per_step"]
+    assert parts["activations"]["bytes_per_step"] == 2 * b * 4 * f
+    assert parts["activations"]["ratio"] == parts["activation_gradients"]["ratio"] == 1.0  # fp32
+    assert parts["labels"]["bytes_per_step"] == 2 * b * 4
+    assert parts["fc_exchange"]["bytes_per_step"] == 0
+    assert s["gradient_compression_ratio"] > s["compression_ratio"]  # CONV exchange alone: not the headline
+    assert s["hourglass"]["act_codec"]["codec"] == "fp32" and s["hourglass"]["pipeline"]["schedule"] == "none"
     run_dir = os.path.join(result["run_dir"], "hg")
     with open(os.path.join(run_dir, "summary.json")) as fh:
         assert json.load(fh)["final_test_accuracy"] == s["final_test_accuracy"]
@@ -418,7 +493,7 @@ def test_phase_profile_means_per_role():
     from hgsgc.hourglass.train import phase_profile
 
     zero = {"conv_wait_s": 0.0, "fc_recv_wait_s": 0.0, "fc_compute_s": 0.0, "fc_apply_s": 0.0,
-            "fc_send_wait_s": 0.0}
+            "fc_send_wait_s": 0.0, "codec_s": 0.0}
     recs = [(0, "conv", {**zero, "conv_wait_s": 0.6}, [0.5, 0.5, 0.5]),       # 0.2 s/step waiting
             (1, "conv", {**zero, "conv_wait_s": 1.2}, [1.0, 1.0, 1.0, 1.0]),  # 0.3 s/step
             (2, "fc", {**zero, "fc_recv_wait_s": 0.4, "fc_compute_s": 0.2, "fc_apply_s": 0.1,
@@ -428,5 +503,6 @@ def test_phase_profile_means_per_role():
     assert p["conv"]["conv_wait_s"] == pytest.approx((0.2 + 0.3) / 2)
     assert p["conv"]["other_s"] == pytest.approx(0.75 - 0.25)
     assert p["fc"] == pytest.approx({"step_s": 0.25, "fc_recv_wait_s": 0.1, "fc_compute_s": 0.05,
-                                     "fc_apply_s": 0.025, "fc_send_wait_s": 0.025, "other_s": 0.05})
+                                     "fc_apply_s": 0.025, "fc_send_wait_s": 0.025, "codec_s": 0.0,
+                                     "other_s": 0.05})
     assert phase_profile([(0, "conv", zero, [])]) == {}

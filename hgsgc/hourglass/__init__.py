@@ -24,6 +24,7 @@ _EXPORTS = {
     "HourglassTrainer": "step",
     "CostInputs": "costmodel", "choose_fc_workers": "costmodel", "measure_costs": "costmodel",
     "stage_times": "costmodel",
+    "BoundaryCodec": "boundary", "BoundaryCodecError": "boundary",
 }
 
 

@@ -224,6 +224,7 @@ class BoundaryCodec:
 
     def length(self, rows: int, features: int, nnz: Optional[int] = None, masked: bool = False) -> int:
         """Exact payload bytes (class docstring); ``nnz`` is needed when ``sparse``."""
+        rows, features = int(rows), int(features)
         n = rows * features
         if not self.sparse:
             return self.values.length(n, features)

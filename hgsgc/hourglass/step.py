@@ -227,7 +227,7 @@ class HourglassTrainer:
     def _chunks(self):
         """``[(lo, hi)]``: the micro-batches' example ranges within one CONV rank's batch."""
         edges = np.linspace(0, self.batch_size, self.micro_batches + 1).astype(int)
-        return list(zip(edges[:-1], edges[1:]))
+        return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
 
     def _encode(self, codec, x, mask=None):
         t0 = time.perf_counter()
@@ -277,9 +277,9 @@ class HourglassTrainer:
         MPI.Request.Waitall(reqs)
         self.times["conv_wait_s"] += time.perf_counter() - t0
         g, _ = self._decode(self.grad_codec, g_buf, flat.shape[0], mask=mask)
-        if self.record:
-            self.recorded.setdefault("a", []).append(flat.copy())
-            self.recorded.setdefault("g_dec", []).append(g.copy())
+        if self.record:  # (micro-batch, tensor)
+            self.recorded.setdefault("a", []).append((int(j), flat.copy()))
+            self.recorded.setdefault("g_dec", []).append((int(j), g.copy()))
         return g.reshape((flat.shape[0],) + self.a_shape).astype(self.a_dtype, copy=False)
 
     def _fc_step(self) -> float:
@@ -325,10 +325,9 @@ class HourglassTrainer:
             for i, c in enumerate(convs):
                 gi = g_a[i * rows:(i + 1) * rows]
                 payload = self._encode(self.grad_codec, gi, masks[i] if self.grad_codec.sparse else None)
-                if self.record:
-                    self.recorded.setdefault("a_dec", []).append(acts[i].copy())
-                    self.recorded.setdefault("g", []).append(gi.copy())
-                    self.recorded.setdefault("mask", []).append(None if masks[i] is None else masks[i].copy())
+                if self.record:  # (CONV world rank, first row, tensor)
+                    self.recorded.setdefault("a_dec", []).append((c, int(lo), acts[i].copy()))
+                    self.recorded.setdefault("g", []).append((c, int(lo), gi.copy()))
                 keep.append(payload)
                 sends.append(self.comm.Isend(payload, dest=c, tag=TAG_GRAD))
                 cnt["activation_grad_bytes_sent"] += payload.nbytes

@@ -33,13 +33,13 @@ def phase_profile(records) -> dict:
 
     Returns:
         ``{"conv": {...}, "fc": {...}}``, each with ``step_s`` (the role's mean step time), the
-        role's phases (``conv_wait_s``; ``fc_recv_wait_s``, ``fc_compute_s``, ``fc_apply_s``,
-        ``fc_send_wait_s``) and ``other_s`` = step_s minus the phases (CONV: trunk compute + the
-        CONV gradient exchange; FC: loop overhead), all seconds per step averaged over the role's
-        ranks.
+        role's phases (``conv_wait_s``, ``codec_s``; ``fc_recv_wait_s``, ``fc_compute_s``,
+        ``fc_apply_s``, ``fc_send_wait_s``, ``codec_s``) and ``other_s`` = step_s minus the phases
+        (CONV: trunk compute + the CONV gradient exchange; FC: decode/concatenate and loop
+        overhead), all seconds per step averaged over the role's ranks.
     """
-    keys = {"conv": ("conv_wait_s",),
-            "fc": ("fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s")}
+    keys = {"conv": ("conv_wait_s", "codec_s"),
+            "fc": ("fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s", "codec_s")}
     out = {}
     for role, ks in keys.items():
         rows = [(t, st) for _, r, t, st in records if r == role and st]
@@ -52,6 +52,34 @@ def phase_profile(records) -> dict:
         rec["other_s"] = rec["step_s"] - sum(rec[k] for k in ks)
         out[role] = rec
     return out
+
+
+def pipeline_overlap(profile) -> dict:
+    """How much of the two stages' work ran at the same time, from :func:`phase_profile`.
+
+    ``conv_busy_s`` = CONV step time minus its waits for activation gradients (trunk forward +
+    backward, codec, CONV exchange); ``fc_busy_s`` = head compute + codec + FC exchange/update;
+    ``step_s`` = the slower role's mean step time. ``overlap = (conv_busy + fc_busy - step) /
+    min(conv_busy, fc_busy)``, clipped to [0, 1]: 0 = the stages ran one after the other (or wire
+    time filled the gap), 1 = the shorter stage was hidden entirely behind the longer one;
+    ``step_over_slower_stage = step / max(conv_busy, fc_busy)`` (1 = the step takes as long as the
+    slower stage, the pipelined ideal). Empty when a role has no profile.
+    """
+    if "conv" not in profile or "fc" not in profile:
+        return {}
+    c, f = profile["conv"], profile["fc"]
+    conv_busy = max(0.0, c["step_s"] - c["conv_wait_s"])
+    fc_busy = f["fc_compute_s"] + f["codec_s"] + f["fc_apply_s"]
+    step = max(c["step_s"], f["step_s"])
+    lo = min(conv_busy, fc_busy)
+    ov = (conv_busy + fc_busy - step) / lo if lo > 0 else 0.0
+    return {"conv_busy_s": conv_busy, "fc_busy_s": fc_busy, "step_s": step,
+            "overlap": float(min(1.0, max(0.0, ov))),
+            "step_over_slower_stage": step / max(conv_busy, fc_busy) if max(conv_busy, fc_busy) else 0.0}
+
+
+def _ring(n, nbytes):
+    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
 
 
 def role_figures(snaps, layout, d_role, steps, compression) -> dict:
@@ -137,12 +165,70 @@ def _totals(roles, size, d):
         "bytes_received_per_step_per_rank": mean("bytes_received_per_step_per_rank"),
         # the data-parallel dense baseline: fp32 ring allreduce of the whole model on every rank
         "dense_bytes_per_step_per_rank": _ring(size, 4 * d),
-        "compression_ratio": 4 * d / payload if payload else float("inf"),
+        "gradient_compression_ratio": 4 * d / payload if payload else float("inf"),
         "total_bytes_sent_per_step": sent * size,
         "dense_total_bytes_sent_per_step": _ring(size, 4 * d) * size,
         # everything on the wire (activations included) against dense data parallelism
         "traffic_reduction_vs_dense": (_ring(size, 4 * d) / sent) if sent else float("inf"),
     }
+
+
+def step_traffic(snaps, layout, steps, d_conv, d_fc, batch_size, features) -> dict:
+    """Every byte that crosses the network per step, by part, against its uncompressed size.
+
+    Args:
+        snaps: list indexed by world rank of :meth:`HourglassTrainer.snapshot` differences.
+        steps: training steps the differences cover; ``d_conv``, ``d_fc``: parameter counts;
+        batch_size: ``b`` per CONV rank; features: ``f`` boundary entries per example.
+
+    Returns:
+        ``{"bytes_per_step": total, "dense_data_parallel_bytes_per_step": 2 (n-1) 4 d,
+        "ratio": dense / total (THE headline compression figure of the layout), "parts": {...}}``
+        where each part (``activations``, ``labels``, ``activation_gradients``, ``conv_exchange``,
+        ``fc_exchange``) has ``bytes_per_step`` (sent, summed over all ranks), ``reference_bytes_per_step``
+        (activations / activation gradients: fp32 ``4 C b f``; labels ``4 C b``; exchanges: a
+        dense fp32 ring allreduce of the role's ``4 d`` among the role's ranks, ``2 (k-1) 4 d``
+        summed over its ``k`` ranks) and ``ratio`` = reference / bytes; plus ``boundary``
+        (activations + labels + activation gradients together).
+    """
+    steps = max(1, steps)
+    plan = layout.plan
+    C, F, n = plan.n_conv, plan.n_fc, plan.world_size
+    conv, fc = plan.conv_ranks, plan.fc_ranks
+
+    def tot(ranks, key):
+        return sum(snaps[r][key] for r in ranks) / steps
+
+    fp32_boundary = 4 * C * batch_size * features
+    parts = {
+        "activations": (tot(conv, "activation_bytes_sent"), fp32_boundary),
+        "labels": (tot(conv, "label_bytes_sent"), 4 * C * batch_size),
+        "activation_gradients": (tot(fc, "activation_grad_bytes_sent"), fp32_boundary),
+        "conv_exchange": (tot(conv, "exchange_bytes_sent"), _ring(C, 4 * d_conv) * C),
+        "fc_exchange": (tot(fc, "exchange_bytes_sent"), _ring(F, 4 * d_fc) * F),
+    }
+    b_sent = sum(parts[k][0] for k in ("activations", "labels", "activation_gradients"))
+    b_ref = sum(parts[k][1] for k in ("activations", "labels", "activation_gradients"))
+    parts["boundary"] = (b_sent, b_ref)
+    out = {k: {"bytes_per_step": v, "reference_bytes_per_step": r,
+               "ratio": (r / v) if v else (float("inf") if r else 1.0)} for k, (v, r) in parts.items()}
+    total = sum(out[k]["bytes_per_step"] for k in out if k != "boundary")
+    dense = _ring(n, 4 * (d_conv + d_fc)) * n
+    return {"bytes_per_step": total, "dense_data_parallel_bytes_per_step": dense,
+            "ratio": dense / total if total else float("inf"), "parts": out}
+
+
+def traffic_line(t) -> str:
+    """One log line: the whole-step figure first, the parts beside it."""
+    p = t["parts"]
+    return (f"network per step {t['bytes_per_step'] / 1e3:.1f} kB vs dense data-parallel "
+            f"{t['dense_data_parallel_bytes_per_step'] / 1e3:.1f} kB: {t['ratio']:.1f}x "
+            f"(activations {p['activations']['bytes_per_step'] / 1e3:.1f} kB "
+            f"[{p['activations']['ratio']:.1f}x vs fp32], activation gradients "
+            f"{p['activation_gradients']['bytes_per_step'] / 1e3:.1f} kB "
+            f"[{p['activation_gradients']['ratio']:.1f}x], labels {p['labels']['bytes_per_step'] / 1e3:.2f} kB, "
+            f"CONV exchange {p['conv_exchange']['bytes_per_step'] / 1e3:.2f} kB, "
+            f"FC exchange {p['fc_exchange']['bytes_per_step'] / 1e3:.2f} kB)")
 
 
 def run(cfg, log=print) -> dict:
@@ -209,7 +295,9 @@ def run(cfg, log=print) -> dict:
     opt = tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.train.momentum)
     trainer = HourglassTrainer(layout, split, b, opt, compression=compression,
                                fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype,
-                               micro_batches=cfg.hourglass.micro_batches)
+                               micro_batches=cfg.hourglass.micro_batches,
+                               act_codec=cfg.hourglass.act_codec, grad_codec=cfg.hourglass.grad_codec,
+                               codec_seed=cfg.run.seed)
     if hasattr(trainer.opt, "hgsgc_set_nonfinite"):  # per role: each role skips alike
         trainer.opt.hgsgc_set_nonfinite(cfg.faults.nonfinite)
 
@@ -344,17 +432,15 @@ def run(cfg, log=print) -> dict:
             "exchanges": roles["conv"]["exchanges"],
             "roles": roles,
         }
+        rec["traffic"] = step_traffic(snaps, layout, len(batches), d_conv, d_fc, b, split.features)
+        rec["compression_ratio"] = rec["traffic"]["ratio"]
         history.append(rec)
         loop["before"] = None
         rlog.epoch(rec, total_steps)
         if is_root:
             log(f"epoch {epoch + 1}/{cfg.train.epochs}: train_loss {train_loss:.4f} "
                 f"test_acc {test_acc:.4f} test_loss {test_loss:.4f} "
-                f"step {rec['mean_step_time_s'] * 1e3:.1f} ms; per step per rank sent: "
-                f"CONV {roles['conv']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
-                f"FC {roles['fc']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB; "
-                f"all ranks {rec['total_bytes_sent_per_step'] / 1e3:.1f} kB/step "
-                f"(dense data-parallel {rec['dense_total_bytes_sent_per_step'] / 1e3:.1f} kB)")
+                f"step {rec['mean_step_time_s'] * 1e3:.1f} ms; " + traffic_line(rec["traffic"]))
     now[0] = total_steps
     t_end = time.perf_counter()  # the end checkpoint is not part of the wall time
     checkpointer.finish(total_steps, state_fn, {"history": history})
@@ -364,6 +450,7 @@ def run(cfg, log=print) -> dict:
     tot = {k: end_snap[k] - start_snap[k] for k in end_snap}
     snaps = layout.p2p.allgather(tot)
     roles = role_figures(snaps, layout, d_role, total_steps, comp_dicts)
+    traffic = step_traffic(snaps, layout, total_steps, d_conv, d_fc, b, split.features)
     step_times_root = layout.p2p.bcast(step_times, root=0)
     profile = phase_profile(layout.p2p.allgather((layout.rank, "conv" if layout.is_conv else "fc",
                                                   trainer.phase_times(), step_times)))
@@ -373,6 +460,8 @@ def run(cfg, log=print) -> dict:
                        layout.p2p.bcast(wall, root=0)),
         **_totals(roles, size, d),
         "exchanges": roles["conv"]["exchanges"],
+        "traffic": traffic,
+        "compression_ratio": traffic["ratio"],
         "global_batch_size": C * b,
         "roles": roles,
         "profile": profile,
@@ -389,6 +478,12 @@ def run(cfg, log=print) -> dict:
             "fc_parameters": d_fc,
             "fc_compression": fc_compression.to_dict(),
             "wire_dtype": cfg.hourglass.wire_dtype,
+            "act_codec": trainer.act_codec.to_dict(),
+            "grad_codec": trainer.grad_codec.to_dict(),
+            "fc_delay": cfg.hourglass.fc_delay,
+            "pipeline": {"schedule": "GPipe" if cfg.hourglass.micro_batches > 1 else "none",
+                         "micro_batches": cfg.hourglass.micro_batches,
+                         **pipeline_overlap(profile)},
             "micro_batches": cfg.hourglass.micro_batches,
             "cost_model": layout.cost_report,
         },
@@ -396,7 +491,9 @@ def run(cfg, log=print) -> dict:
     full = trainer.assemble_model(root=0)
     rlog.summary(summary, full)
     if is_root:
-        log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}; per step per rank "
+        log(f"hgsgc: final test accuracy {summary['final_test_accuracy']:.4f}; "
+            + traffic_line(traffic))
+        log(f"hgsgc: per step per rank "
             f"sent: CONV {roles['conv']['bytes_sent_per_step_per_rank'] / 1e3:.1f} kB "
             f"(activations {roles['conv']['activation_bytes_sent_per_step_per_rank'] / 1e3:.1f} kB, "
             f"gradient exchange {roles['conv']['exchange_bytes_sent_per_step_per_rank'] / 1e3:.2f} kB), "

@@ -32,6 +32,9 @@ LAYOUTS = {2: [1], 3: [1], 4: [1], 5: [2]}  # C+F: 1+1, 2+1, 3+1, (2+1)+2 uneven
 B = 6  # examples per CONV rank
 LR, MOM = 0.1, 0.9
 res = {"layouts": {}}
+# (act codec, grad codec, micro-batches): lossless sparse, and every lossy codec
+CODEC_CASES = [("sparse", "sparse", 2), ("fp16", "fp16", 1), ("q8", "q8", 1), ("q4", "q4", 2),
+               ("sparse+q8", "sparse+q8", 1), ("sparse+q4", "sparse+q4", 2), ("sparse+fp16", "q8", 1)]
 
 
 def batch(step, conv_index):
@@ -130,6 +133,82 @@ for F in LAYOUTS[n]:
     out["pipelined_bytes"] = trp.snapshot()
     out["pipelined_loss"] = trp.train_loss()
 
+    # ---- boundary codecs: one step each; decoded tensors within the codec's bound, the step
+    # equal to the single-process step on the decoded tensors, byte counts = the formulas ----
+    from hgsgc.hourglass.boundary import BoundaryCodec
+
+    codec_out = {}
+    for act_c, grad_c, M in CODEC_CASES:
+        split = split_model(build_model("tiny", seed=3))
+        trc = HourglassTrainer(layout, split, B, sgd(), act_codec=act_c, grad_codec=grad_c,
+                               micro_batches=M, record=True, codec_seed=11)
+        if layout.is_conv:
+            trc.train_step(*batch(0, layout.role_index))
+        else:
+            trc.train_step()
+        rec = world.allgather((layout.rank, trc.recorded))
+        ac, gc = BoundaryCodec.parse(act_c), BoundaryCodec.parse(grad_c)
+        f = split.features
+        A = {r: np.concatenate([t for _, t in sorted(d["a"], key=lambda z: z[0])]) for r, d in rec if "a" in d}
+        Gd = {r: np.concatenate([t for _, t in sorted(d["g_dec"], key=lambda z: z[0])]) for r, d in rec if "g_dec" in d}
+        Ad, G = {}, {}
+        for r, d in rec:
+            for key, dst in (("a_dec", Ad), ("g", G)):
+                for c, lo, t in d.get(key, []):
+                    dst.setdefault(c, {})[lo] = t
+        Ad = {c: np.concatenate([v[k] for k in sorted(v)]) for c, v in Ad.items()}
+        G = {c: np.concatenate([v[k] for k in sorted(v)]) for c, v in G.items()}
+        edges = np.linspace(0, B, M + 1).astype(int)
+        act_ratio, grad_ratio, act_len, grad_len = 0.0, 0.0, {}, {}
+        for c in range(C):
+            a_len = g_len = 0
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                a, ad, g, gd = A[c][lo:hi], Ad[c][lo:hi], G[c][lo:hi], Gd[c][lo:hi]
+                mask = a != 0
+                act_ratio = max(act_ratio, float(np.max(np.abs(ad - a) / np.maximum(ac.error_bound(a), 1e-30)
+                                                        * (np.abs(ad - a) > 0))))
+                gm = np.where(mask, g, 0) if gc.sparse else g
+                bound = gc.error_bound(g, mask if gc.sparse else None)
+                grad_ratio = max(grad_ratio, float(np.max(np.abs(gd - gm) / np.maximum(bound, 1e-30)
+                                                          * (np.abs(gd - gm) > 0))))
+                nnz = int(np.count_nonzero(mask))
+                a_len += ac.length(hi - lo, f, nnz)
+                g_len += gc.length(hi - lo, f, nnz, masked=True)
+            act_len[c], grad_len[c] = a_len, g_len
+        # reference: SGD on the decoded tensors (trunk: dA as decoded; head: activations as decoded)
+        refc = split_model(build_model("tiny", seed=3))
+        xs, ys = zip(*[batch(0, c) for c in range(C)])
+        if layout.is_conv:
+            grads = None
+            for c in range(C):
+                with tf.GradientTape() as tape:
+                    out_c = refc.trunk(xs[c], training=True)
+                gcur = tape.gradient(out_c, refc.trunk_variables,
+                                     output_gradients=tf.constant(Gd[c].reshape(out_c.shape)))
+                grads = gcur if grads is None else [u + v for u, v in zip(grads, gcur)]
+            sgd().apply_gradients(zip([g / C for g in grads], refc.trunk_variables))
+            ref_w = flat(refc.trunk_variables)
+        else:
+            a_all = np.concatenate([Ad[c] for c in range(C)]).reshape((-1,) + split.boundary_shape)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                    np.concatenate(ys), refc.head(a_all, training=True), from_logits=True))
+            sgd().apply_gradients(zip(tape.gradient(loss, refc.head_variables), refc.head_variables))
+            ref_w = flat(refc.head_variables)
+        snap = trc.snapshot()
+        me = layout.rank
+        codec_out[f"{act_c}/{grad_c}/M{M}"] = {
+            "act_err_over_bound": act_ratio, "grad_err_over_bound": grad_ratio,
+            "step_err_vs_decoded_ref": float(np.max(np.abs(trc.role_weights() - ref_w))),
+            "step_err_vs_lossless": float(np.max(np.abs(trc.role_weights() - flat(ref16_vars)))),
+            "lossless": ac.lossless and gc.lossless,
+            "bytes": snap,
+            "expected_act_bytes": act_len.get(me, 0) if layout.is_conv else sum(act_len[c] for c in layout.my_convs),
+            "expected_grad_bytes": grad_len.get(me, 0) if layout.is_conv else sum(grad_len[c] for c in layout.my_convs),
+            "fp32_boundary_bytes": 4 * B * f,
+        }
+    out["codecs"] = codec_out
+
     # ---- sparse: SGC with delay 2 on CONV ranks, top-k on FC ranks ----
     split = split_model(build_model("tiny", seed=4))  # same layout, a new model and trainer
     tr = HourglassTrainer(layout, split, B, sgd(), compression=hgsgc.Compression.sgc(0.05, bits=2, delay=2),
@@ -144,6 +223,19 @@ for F in LAYOUTS[n]:
     out["sparse_spreads"] = spreads
     out["sparse_bytes"] = tr.snapshot()
     out["train_loss"] = tr.train_loss()
+    # ---- SGC among FC ranks (error feedback, delay 2), dense CONV exchange ----
+    if F > 1:
+        split = split_model(build_model("tiny", seed=6))
+        trf = HourglassTrainer(layout, split, B, sgd(), fc_compression=hgsgc.Compression.sgc(0.1, bits=2, delay=2))
+        fspreads = []
+        for step in range(4):
+            if layout.is_conv:
+                trf.train_step(*batch(20 + step, layout.role_index))
+            else:
+                trf.train_step()
+            fspreads.append(spread(layout.role_comm, trf.role_weights()))
+        out["fc_sgc_spreads"] = fspreads
+        out["fc_sgc_bytes"] = trf.snapshot()
     res["layouts"][str(F)] = out
 
 # ---- fc_workers=auto: every rank gets the same, cost-model-consistent choice ----
