@@ -21,7 +21,7 @@ from hgsgc.tasks import FORMATS, TASK_OF_FORMAT
 
 METHODS = _methods.method_names()  # the registry of hgsgc.compression (a new method adds itself)
 SPARSE_METHODS = tuple(m for m, spec in _methods.METHODS.items() if spec.sparse)
-LAYOUTS = ("data_parallel", "hourglass")
+LAYOUTS = ("data_parallel", "hourglass", "auto")  # auto: measured choice (docs/hourglass.md)
 
 
 class ConfigError(ValueError):
@@ -355,7 +355,7 @@ def _check_task(cfg: Config, bad) -> None:
 
 def _fc_sparse(cfg: Config) -> bool:
     """A Hourglass layout whose FC ranks exchange top-k payloads (they use density/bits/hierarchy)."""
-    return cfg.layout == "hourglass" and cfg.hourglass.fc_method in SPARSE_METHODS
+    return cfg.layout in ("hourglass", "auto") and cfg.hourglass.fc_method in SPARSE_METHODS
 
 
 def _check_unused(cfg: Config, bad) -> None:
@@ -371,7 +371,7 @@ def _check_unused(cfg: Config, bad) -> None:
     if c.bits is not None and c.method not in SPARSE_METHODS and not _fc_sparse(cfg):
         bad("compression.bits", c.bits, f"method {c.method} has no value bits (they apply to "
                                         "topk, sgc and dgc): remove it")
-    if cfg.layout != "hourglass":
+    if cfg.layout not in ("hourglass", "auto"):
         for key in ("wire_dtype", "micro_batches", "act_codec", "grad_codec", "fc_delay"):
             if getattr(h, key) != getattr(dh, key):
                 bad(f"hourglass.{key}", getattr(h, key), "it applies to layout=hourglass only: "

@@ -56,6 +56,10 @@ def run(cfg, log=print) -> dict:
         hgsgc.data.DataError: data files missing or malformed (every rank, before training).
         ValueError: batch size too large for the data.
     """
+    if cfg.layout == "auto":  # measure, predict, then run the faster layout (hgsgc/hourglass/auto.py)
+        from hgsgc.hourglass.auto import run as run_auto
+
+        return run_auto(cfg, log=log)
     if cfg.layout == "hourglass":  # CONV/FC roles: its own runner (builds its process sets)
         from hgsgc.hourglass.train import run as run_hourglass
 

@@ -418,6 +418,20 @@ def test_auto_fc_workers_agree(result):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("result", [4], indirect=True)
+def test_layout_auto_agrees_and_follows_the_model(result):
+    outs = [r["layout_auto"] for r in result["ranks"]]
+    assert all(o == outs[0] for o in outs)                        # one choice, broadcast
+    o = outs[0]
+    assert [o["layout"], o["fc_workers"]] == o["recomputed"] and o["n_predictions"] == 3
+    i = o["inputs"]
+    assert i["world_size"] == 4 and i["batch_size"] == 8 and i["beta"] > 0 and i["alpha"] > 0
+    f = 7 * 7 * 16                                                # tiny's boundary
+    # measured with the configured codec (sparse+q8): below fp32's 4 f + 4 and 4 f
+    assert 0 < i["act_bytes"] < 4 * f + 4 and 0 < i["grad_bytes"] < 4 * f
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("result", [3], indirect=True)  # the short main-job run uses 3 ranks
 def test_main_job_summary_and_model(result, tf):
     assert result["size"] == 3

@@ -250,6 +250,23 @@ if n == 4:
                    "recomputed": choose_fc_workers(CostInputs(**rep["inputs"]), n)["fc_workers"],
                    "candidates": len(rep["candidates"])}
 
+# ---- layout=auto: measured inputs, every rank gets the same choice, which follows the model ----
+if n == 4:
+    from hgsgc import perfmodel
+    from hgsgc.config import load_config
+    from hgsgc.hourglass.auto import choose
+
+    cfg = load_config(None, ["layout=auto", "model.name=tiny", "train.batch_size=8",
+                             "compression.method=sgc", "compression.density=0.05",
+                             "hourglass.act_codec=sparse+q8", "hourglass.grad_codec=sparse+q8"])
+    split = split_model(build_model("tiny", seed=5))
+    xb = np.random.default_rng(3).random((8, 28, 28, 1), dtype=np.float32)
+    rep = choose(world, split, xb, cfg)
+    again = perfmodel.choose_layout(perfmodel.LayoutInputs(**rep["inputs"]))
+    res["layout_auto"] = {"layout": rep["layout"], "fc_workers": rep["fc_workers"],
+                          "recomputed": [again["layout"], again["fc_workers"]],
+                          "n_predictions": len(rep["predictions"]), "inputs": rep["inputs"]}
+
 # ---- a short real run of the Hourglass main job ----
 if n == 3 and len(sys.argv) > 1:
     from hgsgc.config import load_config

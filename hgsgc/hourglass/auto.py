@@ -1,0 +1,228 @@
+"""``layout: auto``: measure at start-up, predict data parallelism and the Hourglass, run the fastest.
+
+Every rank measures (:func:`measure`), the per-field medians are the model's inputs:
+
+* ``t_conv``, ``t_fc``: seconds per example of the trunk's and the head's forward + backward pass
+  (the configured per-rank batch ``b``; median of 3 timed calls after a tracing call);
+* ``act_bytes``, ``grad_bytes``: bytes per example of the boundary with the CONFIGURED codecs,
+  from encoding the trunk's real activations of one training batch (initial weights: the
+  density of non-zeros is higher at initialisation than after training, so this overestimates
+  sparse codecs' bytes) and a gradient of the same shape; ``codec_s``: encode + decode seconds per
+  example for both directions together;
+* ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link: a short
+  point-to-point ping-pong between rank 0 and every other rank (8 B x 20 for ``alpha``, 1 MiB x 3
+  for ``beta``; medians; the slowest pair counts, as the slowest link bounds a step);
+* the gradient payloads of one exchange (data parallel: the whole model with the configured
+  compression; Hourglass: the trunk with it, the head with ``hourglass.fc_method``) from
+  :func:`hgsgc.compression.codec.exchange_payload_bytes`.
+
+The predictions are :func:`hgsgc.perfmodel.predict_data_parallel` and
+:func:`hgsgc.perfmodel.predict_hourglass` (the one performance model of the project); the
+choice is the highest predicted throughput (examples per second; the Hourglass trains
+``C b`` examples per step, data parallelism ``n b``). Rank 0 decides and broadcasts, logs the
+inputs, every prediction and the choice, and they are written to ``summary.json`` under
+``layout_choice``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+
+def probe_link(comm, small_reps: int = 20, big_bytes: int = 1 << 20, big_reps: int = 3) -> dict:
+    """Ping-pong between rank 0 and each other rank; collective over ``comm``.
+
+    Returns (on every rank): ``{"alpha_s": one-way latency of an 8-byte message, "beta_Bps":
+    one-way bandwidth of a ``big_bytes`` message, "pairs": [[rank, alpha, beta], ...]}`` where
+    ``alpha`` is the largest per-pair median and ``beta`` the smallest (the slowest link).
+    """
+    rank, n = comm.Get_rank(), comm.Get_size()
+    small = np.zeros(1, np.float64)
+    big = np.zeros(big_bytes, np.uint8)
+    pairs = []
+    for peer in range(1, n):
+        comm.Barrier()
+        if rank not in (0, peer):
+            continue
+        other = peer if rank == 0 else 0
+        res = []
+        for buf, reps in ((small, small_reps), (big, big_reps)):
+            ts = []
+            for _ in range(reps + 1):  # the first round trip warms the connection up
+                t0 = time.perf_counter()
+                if rank == 0:
+                    comm.Send(buf, dest=other, tag=77)
+                    comm.Recv(buf, source=other, tag=77)
+                else:
+                    comm.Recv(buf, source=other, tag=77)
+                    comm.Send(buf, dest=other, tag=77)
+                ts.append((time.perf_counter() - t0) / 2)
+            res.append(float(np.median(ts[1:])))
+        if rank == 0:
+            a = res[0]
+            pairs.append([peer, a, big_bytes / max(res[1] - a, 1e-9)])
+    pairs = comm.bcast(pairs, root=0)
+    return {"alpha_s": max(p[1] for p in pairs), "beta_Bps": min(p[2] for p in pairs),
+            "pairs": pairs}
+
+
+def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> dict:
+    """This rank's compute and codec figures (see the module docstring).
+
+    Args:
+        split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one real training batch ``[b, ...]``.
+        act_codec, grad_codec: :class:`~hgsgc.hourglass.boundary.BoundaryCodec` (or specs).
+    """
+    import tensorflow as tf
+
+    from hgsgc.hourglass.boundary import BoundaryCodec
+
+    ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
+    trunk, head = split.trunk, split.head
+    b = len(x)
+    xt = tf.constant(x)
+    a = trunk(xt, training=False).numpy().reshape(b, -1)
+    n_out = int(head.outputs[0].shape[-1])
+    y = tf.constant(np.random.default_rng(0).integers(0, n_out, b).astype(np.int32))
+
+    @tf.function
+    def conv_pass(x):
+        with tf.GradientTape() as tape:
+            out = trunk(x, training=True)
+        return tape.gradient(out, trunk.trainable_variables, output_gradients=tf.ones_like(out))
+
+    @tf.function
+    def fc_pass(a, y):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
+                y, head(a, training=True), from_logits=True))
+        return tape.gradient(loss, head.trainable_variables + [a])
+
+    def timed(fn, *args):
+        fn(*args)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            float(tf.reduce_sum(out[0]))
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2] / b
+
+    t_conv = timed(conv_pass, xt)
+    a_t = tf.constant(a.reshape((b,) + tuple(split.boundary_shape)))
+    t_fc = timed(fc_pass, a_t, y)
+    g = fc_pass(a_t, y)[-1].numpy().reshape(b, -1)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    pa = ac.encode(a, rng)
+    dec, mask = ac.decode(pa, b, a.shape[1])
+    pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
+    gc.decode(pg, b, a.shape[1], mask=mask if gc.sparse else None)
+    codec_s = (time.perf_counter() - t0) / b
+    return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": (len(pa) + 4 * b) / b,
+            "grad_bytes": len(pg) / b, "codec_s": codec_s,
+            "density": float(np.count_nonzero(a)) / a.size}
+
+
+def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
+    """Measure on every rank, predict, decide on rank 0, broadcast; collective over ``comm``.
+
+    Returns (every rank): ``{"layout": "data_parallel" | "hourglass", "fc_workers": F or None,
+    "inputs": {...}, "predictions": [...], "choice": {...}}``.
+    """
+    from hgsgc import perfmodel
+    from hgsgc.compression import as_compression
+    from hgsgc.compression.codec import exchange_payload_bytes
+    from hgsgc.config import compression_from_config
+    from hgsgc.hourglass.train import fc_compression_from_config
+
+    h = cfg.hourglass
+    default = "fp16" if h.wire_dtype == "float16" else "fp32"
+    try:
+        mine, err = measure(split, x, h.act_codec or default, h.grad_codec or default), None
+    except Exception as exc:  # report on every rank instead of hanging the others
+        mine, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
+    gathered = comm.allgather((mine, err))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
+    link = probe_link(comm)
+    report = None
+    if comm.Get_rank() == 0:
+        meas = {k: float(np.median([m[k] for m, _ in gathered])) for k in gathered[0][0]}
+        cc = as_compression(compression_from_config(cfg.compression))
+        fcc = as_compression(fc_compression_from_config(cfg))
+        conv_shapes = [tuple(v.shape) for v in split.trunk_variables]
+        fc_shapes = [tuple(v.shape) for v in split.head_variables]
+        inputs = perfmodel.LayoutInputs(
+            world_size=comm.Get_size(), batch_size=len(x), t_conv=meas["t_conv"], t_fc=meas["t_fc"],
+            act_bytes=meas["act_bytes"], grad_bytes=meas["grad_bytes"], codec_s=meas["codec_s"],
+            alpha=link["alpha_s"], beta=link["beta_Bps"],
+            dp_payload=float(exchange_payload_bytes(cc, conv_shapes + fc_shapes)),
+            conv_payload=float(exchange_payload_bytes(cc, conv_shapes)),
+            fc_payload=float(exchange_payload_bytes(fcc, fc_shapes)),
+            dp_algorithm=perfmodel.algorithm_of(cc), conv_algorithm=perfmodel.algorithm_of(cc),
+            fc_algorithm=perfmodel.algorithm_of(fcc), delay=int(cc.delay), fc_delay=int(fcc.delay),
+            micro_batches=int(h.micro_batches))
+        report = perfmodel.choose_layout(inputs)
+        report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"]}
+    report = comm.bcast(report, root=0)
+    if log is not None and comm.Get_rank() == 0:
+        log(perfmodel.format_layout_report(report))
+    return report
+
+
+def run(cfg, log=print) -> dict:
+    """``layout: auto``: :func:`choose`, then run the chosen layout with ``cfg``; the summary
+    (and rank 0's ``summary.json``) gets ``layout_setting: "auto"`` and ``layout_choice`` (the
+    inputs, every prediction, the choice). A model without a conv/FC boundary runs data-parallel
+    without measuring (the reason is logged and recorded).
+    """
+    import dataclasses
+    import json
+    import os
+
+    from mpi4py import MPI
+
+    from hgsgc.data import load_fashion_mnist
+    from hgsgc.hourglass.split import SplitError, split_model
+    from hgsgc.models import build_model
+    from hgsgc.train import _setup_threads
+    from hgsgc.train import run as run_layout
+
+    world = MPI.COMM_WORLD
+    _setup_threads(cfg.train.threads)
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+    try:
+        split = split_model(build_model(cfg.model.name, seed=cfg.run.seed), cfg.hourglass.split_layer)
+    except SplitError as exc:
+        split, reason = None, str(exc)
+    if split is None or world.Get_size() < 2:
+        report = {"layout": "data_parallel", "fc_workers": None,
+                  "reason": reason if split is None else "one rank: no Hourglass layout possible"}
+        if world.Get_rank() == 0:
+            log(f"layout auto -> data_parallel ({report['reason']})")
+    else:
+        data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
+        x = data.x_train[:cfg.train.batch_size]
+        report = choose(world, split, x, cfg, log=log)
+    h = cfg.hourglass
+    if report["layout"] == "hourglass":
+        chosen = dataclasses.replace(cfg, layout="hourglass",
+                                     hourglass=dataclasses.replace(h, fc_workers=int(report["fc_workers"])))
+    else:
+        chosen = dataclasses.replace(cfg, layout="data_parallel")
+    summary = run_layout(chosen, log=log)
+    summary["layout_setting"] = "auto"
+    summary["layout_choice"] = report
+    if world.Get_rank() == 0:
+        path = os.path.join(cfg.run.out_dir, summary["run_id"], "summary.json")
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+    world.Barrier()
+    return summary
