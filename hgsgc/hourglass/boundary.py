@@ -60,12 +60,14 @@ class BoundaryCodecError(ValueError):
 
 
 def _fp16_down(x: np.ndarray) -> np.ndarray:
-    h = x.astype(np.float16)
+    with np.errstate(over="ignore"):  # overflow becomes inf, reported by the caller
+        h = x.astype(np.float16)
     return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
 
 
 def _fp16_up(x: np.ndarray) -> np.ndarray:
-    h = x.astype(np.float16)
+    with np.errstate(over="ignore"):
+        h = x.astype(np.float16)
     return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
 
 
@@ -112,7 +114,8 @@ class ValueCodec:
         if self.kind == "fp32":
             return np.ascontiguousarray(v, np.float32).view(np.uint8)
         if self.kind == "fp16":
-            h = v.astype(np.float16)
+            with np.errstate(over="ignore"):
+                h = v.astype(np.float16)
             if not np.all(np.isfinite(h)) and np.all(np.isfinite(v)):
                 raise FloatingPointError(
                     f"boundary values exceed float16's range (max |x| = {np.max(np.abs(v)):.3g}): "
