@@ -8,7 +8,7 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   from encoding the trunk's real activations of one training batch (initial weights: the
   density of non-zeros is higher at initialisation than after training, so this overestimates
   sparse codecs' bytes) and a gradient of the same shape; ``codec_s``: encode + decode seconds per
-  example for both directions together;
+  example for both directions together (one warm-up round, then the median of 3);
 * ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link: a short
   point-to-point ping-pong between rank 0 and every other rank (8 B x 20 for ``alpha``, 1 MiB x 3
   for ``beta``; medians; the slowest pair counts, as the slowest link bounds a step);
@@ -116,12 +116,21 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> di
     t_fc = timed(fc_pass, a_t, y)
     g = fc_pass(a_t, y)[-1].numpy().reshape(b, -1)
     rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
-    pa = ac.encode(a, rng)
-    dec, mask = ac.decode(pa, b, a.shape[1])
-    pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
-    gc.decode(pg, b, a.shape[1], mask=mask if gc.sparse else None)
-    codec_s = (time.perf_counter() - t0) / b
+
+    def codec_round():
+        pa = ac.encode(a, rng)
+        dec, mask = ac.decode(pa, b, a.shape[1])
+        pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
+        gc.decode(pg, b, a.shape[1], mask=mask if gc.sparse else None)
+        return pa, pg
+
+    pa, pg = codec_round()  # warm-up, as for the passes above
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        codec_round()
+        ts.append(time.perf_counter() - t0)
+    codec_s = sorted(ts)[len(ts) // 2] / b
     return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": (len(pa) + 4 * b) / b,
             "grad_bytes": len(pg) / b, "codec_s": codec_s,
             "density": float(np.count_nonzero(a)) / a.size}
