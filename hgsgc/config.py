@@ -400,11 +400,12 @@ def fc_compression_from_config(cfg: Config):
 
     ``topk`` / ``sgc`` take density, bits, selector, error feedback and hierarchy from the
     ``compression`` section through :func:`compression_from_config` (as the data-parallel and
-    CONV sides do); the FC exchange always runs every step (delay 1), without DGC momentum
+    CONV sides do); ``sgc`` takes its delay from ``hourglass.fc_delay`` (default 1), without DGC momentum
     correction or local clipping (those belong to the CONV side's optimizer).
     """
     m = cfg.hourglass.fc_method
-    comp = compression_from_config(cfg.compression, m, delay=1)
+    # sgc: communication delay hourglass.fc_delay (local steps + compressed delta, as on CONV ranks)
+    comp = compression_from_config(cfg.compression, m, delay=cfg.hourglass.fc_delay if m == "sgc" else 1)
     if hasattr(comp, "momentum_correction"):
         comp = dataclasses.replace(comp, momentum_correction=False, local_clip_norm=None)
     return comp

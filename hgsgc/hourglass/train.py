@@ -78,10 +78,6 @@ def pipeline_overlap(profile) -> dict:
             "step_over_slower_stage": step / max(conv_busy, fc_busy) if max(conv_busy, fc_busy) else 0.0}
 
 
-def _ring(n, nbytes):
-    return 2 * (n - 1) * nbytes / n if n > 1 else 0.0
-
-
 def role_figures(snaps, layout, d_role, steps, compression) -> dict:
     """Per-role bytes per step per rank from every rank's snapshot difference.
 
