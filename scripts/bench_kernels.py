@@ -3,14 +3,14 @@
 
 For every tensor size (``--sizes``, entries) and density (``--densities``), one process times:
 
-* compress (one rank, error feedback, ``--bits``): the reference ``ops.compress_reference``
+* compress (one rank, error feedback, ``--bits``): the reference ``kernels.compress_reference``
   (compensate ``g + r``, ``sparsify.sampled_threshold_topk``, ``codec.encode``, residual
   ``a - scatter_nd(idx, sent)``: what the communicator runs per tensor), the same reference
   without the compensate / residual steps (``select+encode``: the figure issue 14 quotes), and
-  the fused kernel ``ops.compress``;
-* decode-accumulate of n = ``--ranks`` payloads: the reference ``ops.decode_accumulate_reference``
+  the fused kernel ``kernels.compress``;
+* decode-accumulate of n = ``--ranks`` payloads: the reference ``kernels.decode_accumulate_reference``
   (n sequential ``codec.decode`` + ``tf.scatter_nd`` into dense tensors, then ``tf.add_n``) vs
-  the kernel ``ops.decode_accumulate``.
+  the kernel ``kernels.decode_accumulate``.
 
 Each callable is a ``tf.function``, traced and warmed up once, then timed ``--repeats`` times
 round-robin (reference, kernel, reference, ...), median reported; outputs are checked bit for bit
@@ -44,6 +44,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hgsgc import ops  # noqa: E402
+from hgsgc.compression import kernels  # noqa: E402
 from hgsgc.compression import codec  # noqa: E402
 from hgsgc.compression.sparsify import num_selected  # noqa: E402
 
@@ -136,12 +137,12 @@ def bench_compress(numel, density, bits, repeats, bw):
     seed = tf.constant(5, tf.int64)
 
     # today's per-tensor path in the communicator, residual variable updated by assign
-    ref = tf.function(lambda g, s: ops.compress_into(g, var_ref, k, bits, seed=s, backend="reference"))
+    ref = tf.function(lambda g, s: kernels.compress_into(g, var_ref, k, bits, seed=s, backend="reference"))
     # the part issue 14 quotes: sampled_threshold_topk + codec.encode
-    sel = tf.function(lambda g, s: codec.encode(*ops.topk_select_reference(g, k, seed=s), numel, bits))
-    ker = tf.function(lambda g, s: ops.compress_into(g, var_ker, k, bits, seed=s, backend="custom"))
+    sel = tf.function(lambda g, s: codec.encode(*kernels.topk_select_reference(g, k, seed=s), numel, bits))
+    ker = tf.function(lambda g, s: kernels.compress_into(g, var_ker, k, bits, seed=s, backend="custom"))
     # the kernel doing what `sel` does (no residual): HgsgcCompress with an empty residual
-    ker_sel = tf.function(lambda g, s: ops.compress(g, None, k, bits, seed=s, backend="custom")[0])
+    ker_sel = tf.function(lambda g, s: kernels.compress(g, None, k, bits, seed=s, backend="custom")[0])
     assert same_bits(ker_sel(g, seed), sel(g, seed)[0]), "select+encode: kernel != reference"
     p_ref, p_ker = ref(g, seed), ker(g, seed)
     sel(g, seed)
@@ -176,12 +177,12 @@ def bench_decode(numel, density, bits, n, repeats, bw):
     rows = []
     for rank in range(n):
         x = tf.constant(np.random.default_rng(1000 + rank).standard_normal(numel).astype(np.float32))
-        rows.append(ops.compress(x, None, k, bits, backend="custom")[0].numpy())
+        rows.append(kernels.compress(x, None, k, bits, backend="custom")[0].numpy())
     gathered = tf.constant(np.stack(rows))
     del rows
     today = tf.function(lambda G: today_decode(G, numel, k, bits))
-    ref = tf.function(lambda G: ops.decode_accumulate_reference(G, numel, k, bits))
-    ker = tf.function(lambda G: ops.decode_accumulate(G, numel, k, bits, backend="custom"))
+    ref = tf.function(lambda G: kernels.decode_accumulate_reference(G, numel, k, bits))
+    ker = tf.function(lambda G: kernels.decode_accumulate(G, numel, k, bits, backend="custom"))
     a, b = ref(gathered), ker(gathered)
     assert same_bits(a.numpy(), b.numpy()), "decode-accumulate: kernel != reference"
     c = today(gathered).numpy()
@@ -293,8 +294,8 @@ def bench_model_tensors(repeats, density=0.005, bits=2):
             outs = []
             for g, r in zip(gs, res):
                 k = num_selected(int(g.shape[0]), density)
-                p = ops.compress_into(g, r, k, bits, seed=seed, backend=backend)
-                outs.append(ops.decode_accumulate(tf.reshape(p, [1, -1]), int(g.shape[0]), k, bits,
+                p = kernels.compress_into(g, r, k, bits, seed=seed, backend=backend)
+                outs.append(kernels.decode_accumulate(tf.reshape(p, [1, -1]), int(g.shape[0]), k, bits,
                                                   backend=backend))
             return tf.stack([tf.reduce_sum(o) for o in outs])
         return step

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hgsgc import ops
+from hgsgc.compression import kernels
 from hgsgc.compression import codec
 from hgsgc.compression.sparsify import num_selected
 
@@ -103,8 +104,8 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 def test_topk_select_matches_reference_and_numpy(c):
     x = make_tensor(c["kind"], c["numel"], c["seed"])
     args = dict(sample_size=c["sample_size"], margin=c["margin"], seed=c["seed"])
-    idx, vals = ops.topk_select(x, c["k"], backend="custom", **args)
-    ridx, rvals = ops.topk_select(x, c["k"], backend="reference", **args)
+    idx, vals = kernels.topk_select(x, c["k"], backend="custom", **args)
+    ridx, rvals = kernels.topk_select(x, c["k"], backend="reference", **args)
     assert idx.dtype == tf.int32 and vals.dtype == tf.float32
     assert_same(idx, ridx, "indices")
     assert_same(vals, rvals, "values")
@@ -116,7 +117,7 @@ def test_topk_select_matches_reference_and_numpy(c):
                                      (2_000_000, 2000)])
 def test_topk_select_edges(numel, k):
     x = make_tensor("normal", numel, 5)
-    idx, vals = ops.topk_select(x, k, backend="custom")
+    idx, vals = kernels.topk_select(x, k, backend="custom")
     assert_same(idx, np_topk(x, k), "indices")
     assert_same(vals, x[np_topk(x, k)], "values")
 
@@ -128,19 +129,19 @@ def test_topk_select_fallback_paths_are_exact():
     x[::6000] = 5.0  # 200 large entries; sample of 8 likely misses them all -> threshold 1.0
     for k in (100, 200, 201, 5000):
         for sample_size in (8, 1024):
-            idx, _ = ops.topk_select(x, k, sample_size=sample_size, backend="custom")
+            idx, _ = kernels.topk_select(x, k, sample_size=sample_size, backend="custom")
             assert_same(idx, np_topk(x, k), f"k={k} s={sample_size}")
     y = np.zeros(n, np.float32)
     y[:10] = 1.0
-    idx, _ = ops.topk_select(y, 1000, sample_size=16, backend="custom")  # threshold 0: overflow
+    idx, _ = kernels.topk_select(y, 1000, sample_size=16, backend="custom")  # threshold 0: overflow
     assert_same(idx, np.arange(1000, dtype=np.int32), "all-zero tail")
 
 
 def test_topk_select_any_seed_same_result():
     x = make_tensor("ties", 100_000, 3)
-    first = ops.topk_select(x, 100, seed=0, backend="custom")[0].numpy()
+    first = kernels.topk_select(x, 100, seed=0, backend="custom")[0].numpy()
     for seed in (1, 2, 12345, tf.constant([3, 4], tf.int32)):
-        assert_same(ops.topk_select(x, 100, seed=seed, backend="custom")[0], first, f"seed {seed}")
+        assert_same(kernels.topk_select(x, 100, seed=seed, backend="custom")[0], first, f"seed {seed}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_topk_select_any_seed_same_result():
 def test_sparse_encode_matches_codec(c):
     x = make_tensor(c["kind"], c["numel"], c["seed"])
     idx = np_topk(x, c["k"])
-    payload, sent = ops.sparse_encode(idx, x[idx], c["numel"], c["bits"], backend="custom")
+    payload, sent = kernels.sparse_encode(idx, x[idx], c["numel"], c["bits"], backend="custom")
     rpayload, rsent = codec.encode(tf.constant(idx), tf.constant(x[idx]), c["numel"], c["bits"])
     assert payload.shape == (codec.payload_length(c["numel"], c["k"], c["bits"]),)
     assert_same(payload, rpayload, "payload")
@@ -165,8 +166,8 @@ def test_compress_matches_reference(c, error_feedback):
     g = make_tensor(c["kind"], c["numel"], c["seed"])
     r = make_tensor("normal", c["numel"], c["seed"] + 1) * np.float32(0.5) if error_feedback else None
     args = dict(sample_size=c["sample_size"], margin=c["margin"], seed=c["seed"])
-    payload, res = ops.compress(g, r, c["k"], c["bits"], backend="custom", **args)
-    rpayload, rres = ops.compress(g, r, c["k"], c["bits"], backend="reference", **args)
+    payload, res = kernels.compress(g, r, c["k"], c["bits"], backend="custom", **args)
+    rpayload, rres = kernels.compress(g, r, c["k"], c["bits"], backend="reference", **args)
     assert_same(payload, rpayload, "payload")
     if error_feedback:
         assert_same(res, rres, "residual")
@@ -177,7 +178,7 @@ def test_compress_matches_reference(c, error_feedback):
 def test_compress_residual_numpy_formula():
     g = make_tensor("normal", 10_000, 1)
     r = make_tensor("normal", 10_000, 2)
-    payload, res = ops.compress(g, r, 100, 32, backend="custom")
+    payload, res = kernels.compress(g, r, 100, 32, backend="custom")
     a = g + r
     idx = np_topk(a, 100)
     expected = a.copy()
@@ -194,11 +195,11 @@ def test_compress_inside_tf_function():
 
     @tf.function
     def step(g, seed):
-        payload, res = ops.compress(g, r.read_value(), 50, 2, seed=seed, backend="custom")
+        payload, res = kernels.compress(g, r.read_value(), 50, 2, seed=seed, backend="custom")
         r.assign(res)
         return payload
 
-    expected_payload, expected_res = ops.compress(g, tf.constant(r.numpy()), 50, 2, backend="reference")
+    expected_payload, expected_res = kernels.compress(g, tf.constant(r.numpy()), 50, 2, backend="reference")
     assert_same(step(g, tf.constant(9, tf.int64)), expected_payload, "payload")
     assert_same(r, expected_res, "residual")
 
@@ -209,8 +210,8 @@ def test_compress_into_updates_the_variable_in_place(numel, k, bits):
     r0 = make_tensor("ties", numel, 12).reshape(g.shape)
     var_k, var_r = tf.Variable(r0), tf.Variable(r0)
     for step in range(3):  # residual carried over steps
-        p_k = ops.compress_into(g, var_k, k, bits, seed=step, backend="custom")
-        p_r = ops.compress_into(g, var_r, k, bits, seed=step, backend="reference")
+        p_k = kernels.compress_into(g, var_k, k, bits, seed=step, backend="custom")
+        p_r = kernels.compress_into(g, var_r, k, bits, seed=step, backend="reference")
         assert_same(p_k, p_r, f"payload step {step}")
         assert_same(var_k, var_r, f"residual step {step}")
 
@@ -220,11 +221,11 @@ def test_compress_into_copy_on_write_and_graph():
     var = tf.Variable(make_tensor("normal", 20_000, 2))
     held = var.read_value()  # shares the buffer: the kernel must not overwrite it
     before = held.numpy().copy()
-    expected_payload, expected_res = ops.compress(g, tf.constant(before), 20, 2, backend="reference")
+    expected_payload, expected_res = kernels.compress(g, tf.constant(before), 20, 2, backend="reference")
 
     @tf.function
     def step(g):
-        payload = ops.compress_into(g, var, 20, 2, backend="custom")
+        payload = kernels.compress_into(g, var, 20, 2, backend="custom")
         return payload, var.read_value()
 
     payload, after = step(g)
@@ -241,7 +242,7 @@ def gathered_payloads(c, n):
     rows = []
     for rank in range(n):
         x = make_tensor(c["kind"] if rank % 2 == 0 else "normal", c["numel"], c["seed"] + 7 * rank)
-        rows.append(ops.compress(x, None, c["k"], c["bits"], backend="reference")[0].numpy())
+        rows.append(kernels.compress(x, None, c["k"], c["bits"], backend="reference")[0].numpy())
     return np.stack(rows) if rows else np.zeros([0, 0], np.uint8)
 
 
@@ -263,8 +264,8 @@ def np_decode_sum(gathered, numel, k, bits, offset=0):
 @given(cases(), st.integers(1, 5))
 def test_decode_accumulate_matches_reference(c, n):
     g = tf.constant(gathered_payloads(c, n))
-    out = ops.decode_accumulate(g, c["numel"], c["k"], c["bits"], backend="custom")
-    ref = ops.decode_accumulate(g, c["numel"], c["k"], c["bits"], backend="reference")
+    out = kernels.decode_accumulate(g, c["numel"], c["k"], c["bits"], backend="custom")
+    ref = kernels.decode_accumulate(g, c["numel"], c["k"], c["bits"], backend="reference")
     assert out.shape == (c["numel"],)
     assert_same(out, ref, "sum")
     if c["kind"] != "subnormal":  # numpy does not flush subnormals like TF's CPU kernels
@@ -280,11 +281,11 @@ def test_decode_accumulate_many_ranks_with_offset(n, bits):
     for rank in range(n):
         x = make_tensor("normal", numel, 100 + rank)
         head = np.full(13, rank, np.uint8)  # another tensor's bytes before this one's payload
-        rows.append(np.concatenate([head, ops.compress(x, None, k, bits)[0].numpy(), head]))
+        rows.append(np.concatenate([head, kernels.compress(x, None, k, bits)[0].numpy(), head]))
     g = tf.constant(np.stack(rows))
-    out = ops.decode_accumulate(g, numel, k, bits, offset=13, backend="custom")
-    assert_same(out, ops.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"), "sum")
-    graph = tf.function(lambda g: ops.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"))
+    out = kernels.decode_accumulate(g, numel, k, bits, offset=13, backend="custom")
+    assert_same(out, kernels.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"), "sum")
+    graph = tf.function(lambda g: kernels.decode_accumulate(g, numel, k, bits, offset=13, backend="reference"))
     assert_same(out, graph(g), "sum vs reference in a graph")
     assert_same(out, np_decode_sum(g.numpy(), numel, k, bits, offset=13), "sum vs numpy")
 
@@ -299,12 +300,12 @@ def test_decode_accumulate_negative_zero_rules():
     rows = np.stack([payload([1, 2, 3], [-0.0, -0.0, -0.0]),
                      payload([1, 2, 4], [-0.0, 0.0, -0.0]),
                      payload([1, 5, 6], [-0.0, -0.0, 1.0])])
-    out = ops.decode_accumulate(rows, numel, 3, 32, backend="custom")
-    ref = ops.decode_accumulate(rows, numel, 3, 32, backend="reference")
+    out = kernels.decode_accumulate(rows, numel, 3, 32, backend="custom")
+    ref = kernels.decode_accumulate(rows, numel, 3, 32, backend="reference")
     assert_same(out, ref, "sum")
     assert not np.signbit(out.numpy()).any()
-    single = ops.decode_accumulate(rows[:1], numel, 3, 32, backend="custom")
-    assert_same(single, ops.decode_accumulate(rows[:1], numel, 3, 32, backend="reference"), "n=1")
+    single = kernels.decode_accumulate(rows[:1], numel, 3, 32, backend="custom")
+    assert_same(single, kernels.decode_accumulate(rows[:1], numel, 3, 32, backend="reference"), "n=1")
     assert not np.signbit(single.numpy()).any()
 
 
@@ -313,30 +314,30 @@ def test_decode_accumulate_rejects_bad_payloads():
     good = codec.encode(tf.constant([1, 5, 9, 700]), tf.ones([4]), numel, 32)[0].numpy()
     unsorted = codec.encode(tf.constant([5, 1, 9, 700]), tf.ones([4]), numel, 32)[0].numpy()
     with pytest.raises(tf.errors.InvalidArgumentError, match="ascending"):
-        ops.decode_accumulate(np.stack([good, unsorted]), numel, k, 32, backend="custom")
+        kernels.decode_accumulate(np.stack([good, unsorted]), numel, k, 32, backend="custom")
     out_of_range = codec.encode(tf.constant([1, 5, 9, 1001]), tf.ones([4]), 1024, 32)[0].numpy()
     with pytest.raises(tf.errors.InvalidArgumentError, match="numel"):
-        ops.decode_accumulate(out_of_range[None], numel, k, 32, backend="custom")
+        kernels.decode_accumulate(out_of_range[None], numel, k, 32, backend="custom")
     with pytest.raises(ValueError, match="cannot hold"):
-        ops.decode_accumulate(good[None, :-1], numel, k, 32, backend="custom")
+        kernels.decode_accumulate(good[None, :-1], numel, k, 32, backend="custom")
     with pytest.raises(ValueError, match=r"\[n, P\]"):
-        ops.decode_accumulate(good, numel, k, 32, backend="custom")
+        kernels.decode_accumulate(good, numel, k, 32, backend="custom")
 
 
 def test_bad_arguments_are_clear_errors():
     x = np.ones(10, np.float32)
     with pytest.raises(ValueError, match="k must be"):
-        ops.topk_select(x, 11, backend="custom")
+        kernels.topk_select(x, 11, backend="custom")
     with pytest.raises(TypeError, match="float32"):
-        ops.topk_select(x.astype(np.float64), 1, backend="custom")
+        kernels.topk_select(x.astype(np.float64), 1, backend="custom")
     with pytest.raises(ValueError, match="1-D"):
-        ops.compress(np.ones([2, 5], np.float32), None, 1, 2, backend="custom")
+        kernels.compress(np.ones([2, 5], np.float32), None, 1, 2, backend="custom")
     with pytest.raises(ValueError, match="bits"):
-        ops.compress(x, None, 1, 8, backend="custom")
+        kernels.compress(x, None, 1, 8, backend="custom")
     with pytest.raises(ValueError, match="residual has"):
-        ops.compress(x, np.ones(9, np.float32), 1, 2, backend="custom")
+        kernels.compress(x, np.ones(9, np.float32), 1, 2, backend="custom")
     with pytest.raises(tf.errors.InvalidArgumentError, match="ascending"):
-        ops.sparse_encode([3, 1], [1.0, 2.0], 10, 2, backend="custom")
+        kernels.sparse_encode([3, 1], [1.0, 2.0], 10, 2, backend="custom")
 
 
 def test_auto_backend_warns_once_and_uses_reference(monkeypatch):
@@ -345,10 +346,10 @@ def test_auto_backend_warns_once_and_uses_reference(monkeypatch):
     monkeypatch.setattr(ops, "_WARNED", False)
     x = make_tensor("normal", 3000, 1)
     with pytest.warns(RuntimeWarning, match="reference"):
-        idx, _ = ops.topk_select(x, 30, backend="auto")
+        idx, _ = kernels.topk_select(x, 30, backend="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second call does not warn again
-        out = ops.decode_accumulate(ops.compress(x, None, 30, 2, backend="auto")[0][None], 3000, 30, 2,
+        out = kernels.decode_accumulate(kernels.compress(x, None, 30, 2, backend="auto")[0][None], 3000, 30, 2,
                                     backend="auto")
     assert_same(idx, np_topk(x, 30), "indices")
     assert np.count_nonzero(out.numpy()) == 30

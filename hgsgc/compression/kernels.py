@@ -1,0 +1,319 @@
+"""The fused sparse-compression kernels (``ops/sparse_codec.cc``) and their pure-TF references.
+
+The C++ ops are loaded by :mod:`hgsgc.ops` (``ops.load()``; backend setting
+``ops.set_compression_backend`` / ``$HGSGC_COMPRESSION_KERNELS``); this module wraps them with
+argument checks and gives each a reference in plain TensorFlow that returns the same result bit
+for bit: :func:`topk_select` / :func:`topk_select_reference` (``sparsify.sampled_threshold_topk``),
+:func:`sparse_encode` / :func:`sparse_encode_reference` (``wire.encode``), :func:`compress` /
+:func:`compress_into` / :func:`compress_reference` (compensate + select + encode + residual
+update in one pass) and :func:`decode_accumulate` / :func:`decode_accumulate_reference`
+(decode + dequantize + rank-order sum of all n gathered payloads). ``codec.TopKCodec`` calls them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from hgsgc import ops
+from hgsgc.compression import wire
+from hgsgc.compression.sparsify import sampled_threshold_topk
+
+__all__ = ["DEFAULT_SAMPLE_SIZE", "DEFAULT_MARGIN", "topk_select", "topk_select_reference",
+           "sparse_encode", "sparse_encode_reference", "compress", "compress_reference",
+           "compress_into", "decode_accumulate", "decode_accumulate_reference"]
+
+# ------------------------------------------------------------------------------------------------
+# Fused sparse-compression kernels (ops/sparse_codec.cc) and their references.
+#
+# Contract (bit for bit, tested in tests/test_kernels.py): the custom kernels return exactly what
+# the reference functions below return, which are hgsgc's compression path as the communicator
+# runs it. Devices: the kernels are registered per device (REGISTER_KERNEL_BUILDER in
+# ops/sparse_codec.cc); only CPU kernels exist, and a GPU kernel can be registered under the same
+# op names without changing these wrappers (see the comment at the top of ops/sparse_codec.cc).
+
+DEFAULT_SAMPLE_SIZE = 1024
+DEFAULT_MARGIN = 1.5
+
+
+def _float_vector(x, what):
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.float32:
+        raise TypeError(f"{what} must be float32, got {x.dtype.name}; cast it with tf.cast({what}, tf.float32)")
+    if x.shape.rank != 1 or x.shape[0] is None:
+        raise ValueError(f"{what} must be 1-D with a static length, got shape {x.shape}; "
+                         f"flatten it with tf.reshape({what}, [-1])")
+    return x
+
+
+def _check_k(k, numel):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= numel:
+        raise ValueError(f"k must be a Python int in [0, numel={numel}], got {k!r}")
+    return int(k)
+
+
+def _check_bits(bits):
+    if bits not in (2, 32):
+        raise ValueError(f"bits must be 2 or 32, got {bits!r}")
+    return int(bits)
+
+
+def _check_select_args(sample_size, margin):
+    if isinstance(sample_size, bool) or not isinstance(sample_size, (int, np.integer)) or sample_size < 1:
+        raise ValueError(f"sample_size must be a Python int >= 1, got {sample_size!r}")
+    if not float(margin) >= 1.0:
+        raise ValueError(f"margin must be >= 1, got {margin!r}")
+    return int(sample_size), float(margin)
+
+
+def _seed64(seed):
+    """int64 scalar seed for the kernels (None: a fixed seed; an int32 [2] pair is combined)."""
+    if seed is None:
+        return tf.constant(7 * 2**32 + 11, tf.int64)
+    t = tf.cast(tf.convert_to_tensor(seed), tf.int64)
+    if t.shape.rank == 1:
+        return t[0] * (2**32) + t[1]
+    return t
+
+
+def _seed_pair(seed):
+    """int32 [2] seed for the reference's tf.random.stateless_uniform (None: its default)."""
+    if seed is None:
+        return None
+    t = tf.convert_to_tensor(seed)
+    if t.shape.rank == 1:
+        return tf.cast(t, tf.int32)
+    t = tf.cast(t, tf.int64)
+    return tf.stack([tf.cast(t % (2**30), tf.int32), tf.constant(1013, tf.int32)])
+
+
+def topk_select(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, seed=None,
+                backend=None):
+    """Exact top-k by magnitude of a float32 vector, found through a sampled threshold.
+
+    Deep Gradient Compression's selection (Lin et al., ICLR 2018, Sec. 3): estimate the
+    threshold on ``min(numel, sample_size)`` sampled magnitudes, keep the candidates above it in
+    one pass, take the exact top-k of the candidates (exact fallback when too few pass). The
+    result equals ``hgsgc.compression.sparsify.exact_topk`` (largest ``|x|``, ties to the lower
+    index, subnormals compared as 0 like TF's CPU kernels); the seed changes only the speed.
+
+    Args:
+        x: float32 ``[numel]`` (static length). k: Python int in ``[0, numel]``.
+        sample_size: entries sampled for the estimate; margin: over-selection factor (>= 1).
+        seed: integer scalar (or int32 ``[2]``) tensor or int; None: a fixed seed.
+        backend: ``"custom"``, ``"reference"``, ``"auto"`` or None (the module setting,
+            :func:`set_compression_backend` / ``$HGSGC_COMPRESSION_KERNELS``).
+
+    Returns:
+        ``(indices int32 [k] ascending, values float32 [k] = x[indices])``.
+
+    Raises:
+        ValueError / TypeError: bad ``x``, ``k``, ``sample_size`` or ``margin``.
+        RuntimeError: ``backend="custom"`` and the library is unavailable.
+    """
+    x = _float_vector(x, "x")
+    k = _check_k(k, int(x.shape[0]))
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if ops._resolve_compression(backend) == "reference":
+        return topk_select_reference(x, k, sample_size, margin, seed)
+    return ops.load().hgsgc_topk_select(x, _seed64(seed), k=k, sample_size=sample_size, margin=margin)
+
+
+def topk_select_reference(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, seed=None):
+    """Reference of :func:`topk_select`: ``sparsify.sampled_threshold_topk`` (same arguments)."""
+    x = _float_vector(x, "x")
+    return sampled_threshold_topk(x, _check_k(k, int(x.shape[0])), sample_size=sample_size,
+                                  margin=margin, seed=_seed_pair(seed))
+
+
+def sparse_encode(indices, values, numel, bits, backend=None):
+    """Fused 2-bit quantization + bit packing of selected entries into the wire payload.
+
+    Same payload as ``hgsgc.compression.codec.encode`` byte for byte (layout in its module
+    docstring: ``[lo, hi] f32 | indices w bits | codes 2 bits`` for ``bits=2``, ``indices |
+    values f32`` for ``bits=32``, ``w = wire.index_width(numel)``).
+
+    Args:
+        indices: int32 ``[k]`` strictly ascending in ``[0, numel)``; values: float32 ``[k]``.
+        numel: entries of the dense tensor (Python int); bits: 2 or 32.
+        backend: see :func:`topk_select`.
+
+    Returns:
+        ``(payload uint8 [wire.payload_length(numel, k, bits)], sent float32 [k])``; ``sent`` is
+        what a receiver decodes (the quantized values for ``bits=2``).
+
+    Raises:
+        tf.errors.InvalidArgumentError (custom): indices not strictly ascending or out of range.
+        ValueError / TypeError: bad shapes, dtypes or ``bits``.
+    """
+    bits = _check_bits(bits)
+    values = _float_vector(values, "values")
+    indices = tf.convert_to_tensor(indices, tf.int32)
+    if indices.shape.rank != 1 or indices.shape[0] != values.shape[0]:
+        raise ValueError(f"indices {indices.shape} and values {values.shape} must be 1-D of the same length")
+    _check_k(int(values.shape[0]), int(numel))
+    if ops._resolve_compression(backend) == "reference":
+        return sparse_encode_reference(indices, values, numel, bits)
+    return ops.load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits)
+
+
+def sparse_encode_reference(indices, values, numel, bits):
+    """Reference of :func:`sparse_encode`: ``hgsgc.compression.codec.encode``."""
+    return wire.encode(tf.convert_to_tensor(indices, tf.int32),
+                        tf.convert_to_tensor(values, tf.float32), int(numel), _check_bits(bits))
+
+
+def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
+             seed=None, backend=None):
+    """One rank's sparse compression of one tensor, fused into one pass over its entries.
+
+    With error feedback (Seide et al. 2014; Lin et al. 2018): ``a = grad + residual``
+    (compensate), ``(idx, v) = top-k(a)`` (:func:`topk_select`), ``payload, sent =
+    encode(idx, v)`` (:func:`sparse_encode`), ``new_residual = a - scatter(idx, sent)``. The
+    kernel computes ``a`` and collects the top-k candidates in the same pass and writes
+    ``new_residual`` in place of ``a`` (it may reuse ``grad``'s buffer): the only dense memory is
+    the new residual, one float32 copy of the tensor.
+
+    Args:
+        grad: float32 ``[numel]``; residual: float32 ``[numel]`` or None (no error feedback).
+        k: Python int in ``[0, numel]``; bits: 2 or 32; sample_size, margin, seed: as
+        :func:`topk_select`; backend: see :func:`topk_select`.
+
+    Returns:
+        ``(payload uint8 [wire.payload_length(numel, k, bits)], new_residual float32 [numel]
+        or None when residual is None)``.
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+    """
+    grad = _float_vector(grad, "grad")
+    numel = int(grad.shape[0])
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if residual is not None:
+        residual = _float_vector(residual, "residual")
+        if int(residual.shape[0]) != numel:
+            raise ValueError(f"residual has {residual.shape[0]} entries but grad has {numel}")
+    if ops._resolve_compression(backend) == "reference":
+        return compress_reference(grad, residual, k, bits, sample_size, margin, seed)
+    res = residual if residual is not None else tf.zeros([0], tf.float32)
+    payload, new_res = ops.load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
+                                             sample_size=sample_size, margin=margin)
+    return payload, (new_res if residual is not None else None)
+
+
+def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
+                  seed=None, backend=None):
+    """:func:`compress` with the residual a ``tf.Variable``, updated in place.
+
+    The kernel (``HgsgcCompressResidual``) reads ``grad`` and the residual once and writes the new
+    residual over the old one under the variable's lock: no dense tensor is allocated (unless the
+    variable's buffer is shared with a live read, then it is replaced copy-on-write).
+
+    Args:
+        grad: float32 tensor of any static shape, ``numel`` entries; residual: float32
+            ``tf.Variable`` with ``numel`` entries (any shape). Other arguments: :func:`compress`.
+
+    Returns:
+        payload uint8 ``[wire.payload_length(numel, k, bits)]``; the variable holds
+        ``a - scatter(idx, sent)`` afterwards (``a = grad + residual``), bit for bit as
+        :func:`compress_reference`. Inside a ``tf.function`` the update is ordered before any
+        later read of the variable (automatic control dependencies).
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
+        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
+    numel = int(grad.shape.num_elements())
+    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
+            or residual.shape.num_elements() != numel:
+        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    sample_size, margin = _check_select_args(sample_size, margin)
+    if ops._resolve_compression(backend) == "reference":
+        payload, new_res = compress_reference(tf.reshape(grad, [-1]), tf.reshape(residual, [-1]), k,
+                                              bits, sample_size, margin, seed)
+        with tf.control_dependencies([residual.assign(tf.reshape(new_res, residual.shape))]):
+            return tf.identity(payload)
+    return ops.load().hgsgc_compress_residual(grad, residual.handle, _seed64(seed), k=k, bits=bits,
+                                          sample_size=sample_size, margin=margin)
+
+
+def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,
+                       margin=DEFAULT_MARGIN, seed=None):
+    """Reference of :func:`compress`: the communicator's path (``ResidualMemory.compensate``,
+    ``sampled_threshold_topk``, ``codec.encode``, ``a - tf.scatter_nd(idx, sent)``)."""
+    grad = _float_vector(grad, "grad")
+    numel = int(grad.shape[0])
+    a = grad + residual if residual is not None else grad
+    idx, vals = sampled_threshold_topk(a, k, sample_size=sample_size, margin=margin,
+                                       seed=_seed_pair(seed))
+    payload, sent = wire.encode(idx, vals, numel, bits)
+    if residual is None:
+        return payload, None
+    return payload, a - tf.scatter_nd(idx[:, None], sent, [numel])
+
+
+def _check_gathered(gathered, numel, k, bits, offset):
+    gathered = tf.convert_to_tensor(gathered)
+    if gathered.dtype != tf.uint8 or gathered.shape.rank != 2 or gathered.shape[0] is None:
+        raise ValueError(f"gathered must be uint8 [n, P] with a static n (one row per rank), got "
+                         f"{gathered.dtype.name} {gathered.shape}; reshape the allgather output to [n, P]")
+    numel = int(numel)
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"offset must be a Python int >= 0, got {offset!r}")
+    p = wire.payload_length(numel, k, bits)
+    if gathered.shape[1] is not None and int(gathered.shape[1]) < int(offset) + p:
+        raise ValueError(f"rows of {gathered.shape[1]} bytes cannot hold a payload of {p} bytes "
+                         f"at offset {offset}")
+    return gathered, numel, k, bits, int(offset), p
+
+
+def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
+    """Decode, dequantize and sum every rank's payload of one tensor, in rank order.
+
+    ``sum[i] = ((0 + v_0[i]) + v_1[i]) + ... + v_{n-1}[i]`` over the ranks that sent entry ``i``
+    (float32, strictly in rank order; what ``tf.scatter_nd`` of all ranks' entries gives). The
+    kernel reads each payload once and adds it straight into the output: no per-rank dense
+    tensor. Divide by ``n`` for the average. (Not ``tf.add_n`` of per-rank dense tensors: TF's
+    AddN sums groups of 8 and grappler rewrites add trees inside graphs, so for n > 9 its
+    rounding differs between eager and graph mode.)
+
+    Args:
+        gathered: uint8 ``[n, P]``, row r = rank r's allgathered buffer; this tensor's payload
+            (``wire.payload_length(numel, k, bits)`` bytes) starts at byte ``offset`` of every row.
+        numel, k, bits: the tensor's entries, entries sent per rank, 2 or 32 (Python ints).
+        offset: byte offset of the payload in each row. backend: see :func:`topk_select`.
+
+    Returns:
+        float32 ``[numel]``.
+
+    Raises:
+        tf.errors.InvalidArgumentError (custom): a payload whose indices are not strictly
+            ascending or reach ``numel`` (encode never produces one).
+        ValueError: bad shapes, ``k``, ``bits`` or ``offset``.
+    """
+    gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset)
+    if ops._resolve_compression(backend) == "reference":
+        return decode_accumulate_reference(gathered, numel, k, bits, offset)
+    return ops.load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset)
+
+
+def decode_accumulate_reference(gathered, numel, k, bits, offset=0):
+    """Reference of :func:`decode_accumulate`: ``codec.decode`` of every rank's payload, then one
+    ``tf.scatter_nd`` of all entries concatenated in rank order (its CPU kernel adds the updates
+    one after another from +0: the strict rank-order sum, in eager and graph mode alike)."""
+    gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset)
+    idxs, vals = [], []
+    for r in range(int(gathered.shape[0])):
+        i, v = wire.decode(gathered[r, offset:offset + p], numel, k, bits)
+        idxs.append(i)
+        vals.append(v)
+    if not idxs or k == 0:
+        return tf.zeros([numel], tf.float32)
+    return tf.scatter_nd(tf.concat(idxs, 0)[:, None], tf.concat(vals, 0), [numel])
