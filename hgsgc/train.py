@@ -59,7 +59,7 @@ def run(cfg, log=print) -> dict:
     if cfg.layout == "auto":  # measure, predict, then run the faster layout (hgsgc/hourglass/auto.py)
         from hgsgc.hourglass.auto import run as run_auto
 
-        return run_auto(cfg, log=log)
+        return run_auto(cfg, run_layout=run, log=log)
     if cfg.layout == "hourglass":  # CONV/FC roles: its own runner (builds its process sets)
         from hgsgc.hourglass.train import run as run_hourglass
 

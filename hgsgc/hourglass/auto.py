@@ -184,8 +184,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     return report
 
 
-def run(cfg, log=print) -> dict:
-    """``layout: auto``: :func:`choose`, then run the chosen layout with ``cfg``; the summary
+def run(cfg, run_layout, log=print) -> dict:
+    """``layout: auto``: :func:`choose`, then run the chosen layout with ``run_layout(cfg, log=)``
+    (``hgsgc.train.run``, passed in so this module does not import the runner); the summary
     (and rank 0's ``summary.json``) gets ``layout_setting: "auto"`` and ``layout_choice`` (the
     inputs, every prediction, the choice). A model without a conv/FC boundary runs data-parallel
     without measuring (the reason is logged and recorded).
@@ -199,11 +200,10 @@ def run(cfg, log=print) -> dict:
     from hgsgc.data import load_fashion_mnist
     from hgsgc.hourglass.split import SplitError, split_model
     from hgsgc.models import build_model
-    from hgsgc.train import _setup_threads
-    from hgsgc.train import run as run_layout
+    from hgsgc.loop import setup_threads
 
     world = MPI.COMM_WORLD
-    _setup_threads(cfg.train.threads)
+    setup_threads(cfg.train.threads)
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(cfg.run.seed)
