@@ -15,16 +15,6 @@ import sys
 import traceback
 
 
-def _world_rank() -> int:
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            try:
-                return int(os.environ[var])
-            except ValueError:
-                pass
-    return 0
-
-
 def run_guarded(fn, *args, **kwargs):
     """Call ``fn``; if it raises, print the error once for the whole job and end every rank.
 
@@ -53,7 +43,9 @@ def run_guarded(fn, *args, **kwargs):
 def cmd_train(args) -> int:
     from hgsgc.config import ConfigError, load_config
 
-    rank = _world_rank()
+    from hgsgc.faults import world_rank
+
+    rank = world_rank()
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

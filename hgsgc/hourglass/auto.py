@@ -78,6 +78,7 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> di
     import tensorflow as tf
 
     from hgsgc.hourglass.boundary import BoundaryCodec
+    from hgsgc.hourglass.costmodel import median_seconds, stage_passes
 
     ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
     trunk, head = split.trunk, split.head
@@ -87,33 +88,10 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> di
     n_out = int(head.outputs[0].shape[-1])
     y = tf.constant(np.random.default_rng(0).integers(0, n_out, b).astype(np.int32))
 
-    @tf.function
-    def conv_pass(x):
-        with tf.GradientTape() as tape:
-            out = trunk(x, training=True)
-        return tape.gradient(out, trunk.trainable_variables, output_gradients=tf.ones_like(out))
-
-    @tf.function
-    def fc_pass(a, y):
-        with tf.GradientTape() as tape:
-            tape.watch(a)
-            loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
-                y, head(a, training=True), from_logits=True))
-        return tape.gradient(loss, head.trainable_variables + [a])
-
-    def timed(fn, *args):
-        fn(*args)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            float(tf.reduce_sum(out[0]))
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] / b
-
-    t_conv = timed(conv_pass, xt)
+    conv_pass, fc_pass = stage_passes(split)
+    t_conv = median_seconds(conv_pass, (xt,), repeats) / b
     a_t = tf.constant(a.reshape((b,) + tuple(split.boundary_shape)))
-    t_fc = timed(fc_pass, a_t, y)
+    t_fc = median_seconds(fc_pass, (a_t, y), repeats) / b
     g = fc_pass(a_t, y)[-1].numpy().reshape(b, -1)
     rng = np.random.default_rng(0)
 

@@ -126,6 +126,50 @@ def payload_bytes(compression, shapes) -> int:
     return exchange_payload_bytes(compression, shapes)
 
 
+
+def stage_passes(split):
+    """The two stages the cost models time, as ``tf.function`` s of ``split``'s models.
+
+    ``conv_pass(x)``: trunk forward + backward with unit output gradients (x float32
+    ``[b, ...input]``), returns the trunk's gradients; ``fc_pass(a, y)``: head forward, summed
+    sparse cross-entropy of int32 labels ``y`` ``[b]`` and backward (a float32
+    ``[b, ...boundary]``), returns the head's gradients followed by the activation gradient.
+    """
+    import tensorflow as tf
+
+    trunk, head = split.trunk, split.head
+
+    @tf.function
+    def conv_pass(x):
+        with tf.GradientTape() as tape:
+            out = trunk(x, training=True)
+        return tape.gradient(out, trunk.trainable_variables, output_gradients=tf.ones_like(out))
+
+    @tf.function
+    def fc_pass(a, y):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
+                y, head(a, training=True), from_logits=True))
+        return tape.gradient(loss, head.trainable_variables + [a])
+
+    return conv_pass, fc_pass
+
+
+def median_seconds(fn, args, repeats: int) -> float:
+    """Median wall time in seconds of ``repeats`` calls of ``fn(*args)`` after one untimed
+    warm-up call (graph tracing); each call waits for its first output's value."""
+    import tensorflow as tf
+
+    fn(*args)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        float(tf.reduce_sum(out[0]))  # wait for the result
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
                   link_bandwidth_mbps: float, repeats: int = 3,
                   wire_dtype: str = "float32") -> CostInputs:
@@ -149,32 +193,10 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
     n_out = int(head.outputs[0].shape[-1])
     y = tf.constant(rng.integers(0, n_out, batch_size).astype(np.int32))
 
-    @tf.function
-    def conv_pass(x):
-        with tf.GradientTape() as tape:
-            out = trunk(x, training=True)
-        return tape.gradient(out, trunk.trainable_variables, output_gradients=tf.ones_like(out))
+    conv_pass, fc_pass = stage_passes(split)
 
-    @tf.function
-    def fc_pass(a, y):
-        with tf.GradientTape() as tape:
-            tape.watch(a)
-            loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
-                y, head(a, training=True), from_logits=True))
-        return tape.gradient(loss, head.trainable_variables + [a])
-
-    def timed(fn, *args):
-        fn(*args)  # trace
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            float(tf.reduce_sum(out[0]))  # wait for the result
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] / batch_size
-
-    t_conv = timed(conv_pass, x)
-    t_fc = timed(fc_pass, a, y)
+    t_conv = median_seconds(conv_pass, (x,), repeats) / batch_size
+    t_fc = median_seconds(fc_pass, (a, y), repeats) / batch_size
     f = split.features
     itemsize = np.dtype(wire_dtype).itemsize
     cc, fcc = as_compression(conv_compression), as_compression(fc_compression)
