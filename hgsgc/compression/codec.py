@@ -1,16 +1,7 @@
-"""Wire codec: one sparse tensor as one contiguous uint8 payload of exactly known length.
-
-For a tensor of ``numel`` entries with ``k`` selected entries, indices are bit-packed with
-``w = index_width(numel) = max(1, ceil(log2 numel))`` bits each (a fixed-width alternative to
-delta coding that keeps the length known in advance). Layout, little-endian:
-
-* ``bits == 2``:  ``[lo, hi] float32 (8 B) | indices ceil(k w / 8) B | codes ceil(k / 4) B``
-* ``bits == 32``: ``indices ceil(k w / 8) B | values float32 4 k B``
-* ``k == 0``: empty payload.
-
-So ``payload_length = ceil(k w / 8) + (8 + ceil(k / 4) if bits == 2 else 4 k)``; for comparison
-the DESIGN.md figure with int32 indices is ``4k + k/4 + scales``: fixed-width packing saves
-``(32 - w) k / 8`` bytes. Indices travel sorted ascending.
+"""Top-k codec: :class:`TopKCodec` selects a tensor's top-k entries and encodes them in the wire
+format of :mod:`hgsgc.compression.wire` (layout and exact ``payload_length`` formula there; its
+functions ``encode``, ``decode``, ``payload_length`` and ``index_width`` are re-exported here), with
+the fused kernels of :mod:`hgsgc.compression.kernels` where they are built.
 """
 from __future__ import annotations
 
