@@ -31,7 +31,7 @@ def exchange_payload_bytes(compression, shapes) -> int:
 
 
 class TopKCodec:
-    """Top-k selection + the wire codec above: a stateless :class:`hgsgc.compression.base.Codec`.
+    """Top-k selection + the wire format (:mod:`.wire`): a stateless :class:`hgsgc.compression.base.Codec`.
 
     Args:
         density: fraction kept, ``k = num_selected(numel, density)``.
