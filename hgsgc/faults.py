@@ -122,13 +122,18 @@ def world_comm():
     Hourglass point-to-point communicators, so these collectives never interleave with theirs."""
     global _WORLD
     if _WORLD is None:
-        try:
-            from mpi4py import MPI
-
-            _WORLD = MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else False
-        except Exception:  # pragma: no cover - no MPI
-            _WORLD = False
+        _WORLD = _dup_world()
     return _WORLD or None
+
+
+def _dup_world():
+    """``COMM_WORLD.Dup()`` (collective), or False for a single process or without MPI."""
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else False
+    except Exception:  # pragma: no cover - no MPI
+        return False
 
 
 def configure_stall_check(timeout_s: float):
@@ -159,12 +164,7 @@ def error_comm():
     """A ``Dup`` of ``COMM_WORLD`` for error reporting (collective on first call; None without MPI)."""
     global _ERR_COMM
     if _ERR_COMM is None:
-        try:
-            from mpi4py import MPI
-
-            _ERR_COMM = MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else False
-        except Exception:  # pragma: no cover - no MPI
-            _ERR_COMM = False
+        _ERR_COMM = _dup_world()
     return _ERR_COMM or None
 
 
