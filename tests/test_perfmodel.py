@@ -160,3 +160,98 @@ def _candidates():
 def test_plan_cli_bad_input_is_one_line(args, needle):
     r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", *args)
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Pinned predictions: the expected values are built here from the byte and round formulas of
+# hgsgc.costs and the alpha-beta definition (time = messages * alpha + bytes / beta), so the
+# same test held before perfmodel took its figures from hgsgc.costs and holds after.
+from hgsgc import costs  # noqa: E402
+
+PIN_LINK = pm.Link(alpha_s=2.5e-4, beta_Bps=1.175e7, bidir_factor=0.5)
+PIN_KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 1024)
+
+
+def _want_exchange(k, payload, alg, link=PIN_LINK):
+    if k <= 1:
+        return 0.0
+    nbytes = {"ring": costs.ring_allreduce_bytes_f(k, payload), "allgather": (k - 1) * payload,
+              "tree": costs.tree_busiest_bytes(k, payload), "node": costs.tree_busiest_bytes(k, payload)}[alg]
+    # ring: 2 (k-1) rounds; allgather: the k - 1 steps of a ring allgather; tree: its rounds
+    msgs = {"ring": costs.ring_allreduce_rounds(k), "allgather": k - 1,
+            "tree": costs.tree_rounds(k), "node": costs.tree_rounds(k)}[alg]
+    pairwise = alg != "ring" or k == 2
+    return msgs * link.alpha_s + nbytes / (link.beta_Bps * (link.bidir_factor if pairwise else 1.0))
+
+
+@pytest.mark.parametrize("alg", ["ring", "allgather", "tree", "node"])
+def test_pinned_exchange_seconds(alg):
+    for k in PIN_KS:
+        for P in (1.0, 4321.0, 3.3e6):
+            assert pm.exchange_s(k, P, alg, PIN_LINK) == pytest.approx(_want_exchange(k, P, alg), rel=1e-12)
+            assert pm.layout_exchange_s(k, P, alg, 3, PIN_LINK.alpha_s, 1e7) == pytest.approx(
+                _want_exchange(k, P, alg, pm.Link(PIN_LINK.alpha_s, 1e7)) / 3, rel=1e-12)
+
+
+def _want_traffic(setting, shapes):
+    """The collectives of one exchange, from the setting's own byte formula (payload_bytes)."""
+    from hgsgc.compression import powersgd
+
+    total = setting.payload_bytes(shapes)
+    if setting.method == "terngrad":    # allreduce(max) of one fp32 scale per tensor + allgather
+        return (("ring", 4 * len(shapes)), ("allgather", total - 4 * len(shapes)))
+    if setting.method == "powersgd":    # P factors with the dense tensors, then Q factors
+        q = sum(4 * mpq[1] * mpq[2] for mpq in (powersgd.matrix_shape(s, setting.rank) for s in shapes) if mpq)
+        return (("ring", total - q), ("ring", q))
+    return ((setting.algorithm, total),)
+
+
+def test_pinned_traffic_and_step_predictions():
+    from hgsgc.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"), [])
+    cost = {"base_s": 3e-3, "per_payload_s": 2e-4}
+    seen = set()
+    for label, setting in pm.plan_candidates(cfg):
+        tr = pm.traffic(setting, SHAPES)
+        want = _want_traffic(setting, SHAPES)
+        assert tr.collectives == want and tr.delay == setting.delay, label
+        assert tr.payload_bytes == setting.payload_bytes(SHAPES), label
+        seen.add(setting.method)
+        for k in PIN_KS:
+            h = setting.delay
+            wire = sum(_want_exchange(k, b, alg) for alg, b in want)
+            lg = costs.allgather_rounds(k)           # ceil(log2 k): negotiation / size exchange
+            n_ag = sum(alg == "allgather" for alg, _ in want)
+            coord = 0.0 if k <= 1 else len(want) * (0.005 / 2 + lg * PIN_LINK.alpha_s) + n_ag * lg * PIN_LINK.alpha_s
+            alg = setting.algorithm
+            merges = (max(costs.tree_cost(k, r, 1)["bytes_received"] for r in range(k))
+                      if alg in ("tree", "node") else k - 1) if k > 1 else 0
+            comp_s = cost["base_s"] + merges * cost["per_payload_s"]
+            assert pm.compression_at(cost, k, alg) == pytest.approx(comp_s, rel=1e-12), (label, k)
+            p = pm.predict_step(0.02, comp_s, tr, k, PIN_LINK, cycle_s=0.005)
+            assert p["wire_s"] == pytest.approx(wire / h, rel=1e-12), (label, k)
+            assert p["coordination_s"] == pytest.approx(coord / h, rel=1e-12), (label, k)
+            assert p["step_s"] == pytest.approx(0.02 + (comp_s + wire + coord) / h, rel=1e-12), (label, k)
+    assert {"none", "fp16", "localsgd", "topk", "sgc", "terngrad", "powersgd"} <= seen
+
+
+def test_pinned_layout_predictions():
+    inp = pm.LayoutInputs(world_size=6, batch_size=16, t_conv=2e-3, t_fc=5e-4, act_bytes=1200.0,
+                          grad_bytes=1024.0, codec_s=2e-5, alpha=1e-4, beta=1.2e7, dp_payload=2.5e6,
+                          conv_payload=9000.0, fc_payload=2.4e6, dp_algorithm="tree",
+                          conv_algorithm="allgather", fc_algorithm="ring", delay=2, fc_delay=1,
+                          micro_batches=4)
+    link = pm.Link(inp.alpha, inp.beta)
+    dp = pm.predict_data_parallel(inp)
+    assert dp["step_s"] == pytest.approx(16 * 2.5e-3 + _want_exchange(6, 2.5e6, "tree", link) / 2, rel=1e-12)
+    for F in (1, 2, 3):
+        C, M = 6 - F, 4
+        m = -(-C // F)
+        s = [(16 * 2e-3 + 16 * 1e-5) / M, m * 16 * 1200 / 1.2e7 / M, m * 16 * (5e-4 + 1e-5) / M,
+             m * 16 * 1024 / 1.2e7 / M]
+        ex = max(_want_exchange(C, 9000.0, "allgather", link) / 2, _want_exchange(F, 2.4e6, "ring", link))
+        want = sum(s) + (M - 1) * max(s) + ex + 2 * M * 1e-4
+        got = pm.predict_hourglass(inp, F)
+        assert got["step_s"] == pytest.approx(want, rel=1e-12), F
+        assert got["throughput"] == pytest.approx(C * 16 / want, rel=1e-12), F
