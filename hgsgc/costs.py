@@ -15,6 +15,12 @@ tree (top-k reduction)     see :func:`tree_cost`         ``ceil(log2 n) + [n not
 node (host hierarchy)      see :func:`node_cost`         ``tree_rounds(hosts) + 2 [a host has > 1 rank]``
 =========================  ===========================  =========================================
 
+The alpha-beta performance model (:mod:`hgsgc.perfmodel`) charges the busiest rank
+:func:`exchange_bytes` bytes in :func:`exchange_messages` sequential messages per exchange, and
+:func:`exchange_merges` payload decodes. Its allgather latency term is the ``n - 1`` steps of a
+ring allgather (what Open MPI runs for large ``allgatherv`` payloads), a conservative figure beside
+the latency-optimal ``ceil(log2 n)`` rounds the byte counters record (:func:`allgather_rounds`).
+
 The ring allreduce figure is Patarasuk & Yuan 2009 (bandwidth-optimal allreduce); the tree and
 node schedules are those of :mod:`hgsgc.hierarchy` (recursive doubling with a fold).
 """
@@ -150,7 +156,8 @@ def node_cost(hosts: Sequence[Sequence[int]], rank: int, payload: int) -> dict:
 def exchange_bytes(k: int, payload: float, algorithm: str = "ring", delay: int = 1) -> float:
     """Bytes the busiest rank sends per step in an exchange among ``k`` ranks (float).
 
-    ``ring``: :func:`ring_allreduce_bytes_f`; ``allgather``: ``(k - 1) P``; ``tree`` / ``node``:
+    ``ring``: :func:`ring_allreduce_bytes_f`; ``allgather``: ``(k - 1) P`` (:func:`allgather_bytes`,
+    unrounded); ``tree`` / ``node``:
     :func:`tree_busiest_bytes` (``node`` modelled as ``tree``); divided by the communication
     delay ``delay`` (one exchange every ``delay`` steps).
 
@@ -168,3 +175,44 @@ def exchange_bytes(k: int, payload: float, algorithm: str = "ring", delay: int =
     else:
         raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {ALGORITHMS}")
     return per / delay
+
+
+def exchange_messages(k: int, algorithm: str = "ring") -> int:
+    """Sequential messages (latency terms) of the busiest rank in one exchange among ``k`` ranks.
+
+    ``ring``: :func:`ring_allreduce_rounds` ``2 (k - 1)``; ``allgather``: ``k - 1`` (the steps of
+    a ring allgather; see the module docstring); ``tree`` / ``node``: :func:`tree_rounds` (equal
+    to ``floor(log2 k) + 2 [k not a power of two]``, the busiest rank's message count). ``0`` for
+    ``k <= 1``.
+
+    Raises:
+        ValueError: an unknown ``algorithm`` (valid: :data:`ALGORITHMS`).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    if k <= 1:
+        return 0
+    if algorithm == "ring":
+        return ring_allreduce_rounds(k)
+    if algorithm == "allgather":
+        return k - 1
+    return tree_rounds(k)
+
+
+def exchange_merges(k: int, algorithm: str = "allgather") -> int:
+    """Payloads the busiest rank decodes and adds in one exchange among ``k`` ranks.
+
+    ``tree`` / ``node``: ``ceil(log2 k)``, the most payloads a rank of the tree receives
+    (``max over ranks of tree_cost(k, rank, 1)["bytes_received"]``, tested); every other
+    algorithm: the ``k - 1`` other ranks' payloads. ``0`` for ``k <= 1``.
+
+    Raises:
+        ValueError: an unknown ``algorithm`` (valid: :data:`ALGORITHMS`).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    if k <= 1:
+        return 0
+    if algorithm in ("tree", "node"):
+        return allgather_rounds(k)  # ceil(log2 k)
+    return k - 1

@@ -2,9 +2,16 @@
 
 A link moves a message of ``s`` bytes in ``alpha + s / beta`` seconds (``alpha``: seconds per
 message, ``beta``: bytes per second). This module holds the formulas every part of hgsgc predicts
-with; ``layout: auto`` (``hgsgc/hourglass/auto.py``) measures the inputs at start-up and calls
-:func:`choose_layout`. (First version written by the Hourglass work for ``layout: auto``; the
-benchmark work extends it: one model, not two.)
+with: ``layout: auto`` (``hgsgc/hourglass/auto.py``) measures the inputs at start-up and calls
+:func:`choose_layout`, ``hourglass.fc_workers: auto`` and ``hgsgc plan`` call the same
+:func:`predict_hourglass` / :func:`predict_data_parallel` / :func:`predict_step`.
+
+What an exchange moves comes from elsewhere, never from expressions of this module: the bytes
+and messages of each collective from :mod:`hgsgc.costs` (:func:`hgsgc.costs.exchange_bytes`,
+:func:`hgsgc.costs.exchange_messages`, :func:`hgsgc.costs.node_cost`,
+:func:`hgsgc.costs.exchange_merges`), the payload and collective of a compression setting from
+the setting itself (``setting.payload_bytes(shapes)``, ``setting.algorithm``, and
+``setting.collectives(shapes)`` where one exchange issues several collectives).
 """
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence, Tuple
+
+from hgsgc import costs
 
 
 # ------------------------------------------------------------------------------------------
@@ -58,18 +67,22 @@ class LayoutInputs:
 
 
 def algorithm_of(compression) -> str:
-    """``ring`` for dense settings, the hierarchy (``allgather``/``tree``/``node``) for sparse ones."""
-    from hgsgc.compression import SparseCompression
+    """The setting's collective, ``setting.algorithm``: ``ring`` (dense, PowerSGD), the hierarchy
+    (``allgather`` / ``tree`` / ``node``) of top-k / SGC / DGC, ``allgather`` (TernGrad,
+    EF-SignSGD).
 
-    return compression.hierarchy if isinstance(compression, SparseCompression) else "ring"
+    Raises:
+        TypeError: not a compression setting (:func:`hgsgc.compression.as_compression`).
+    """
+    from hgsgc.compression import as_compression
+
+    return as_compression(compression).algorithm
 
 
 def layout_exchange_s(k: int, payload: float, algorithm: str, delay: int, alpha: float, beta: float) -> float:
-    """Seconds per step the busiest of ``k`` ranks spends exchanging ``payload`` bytes.
-
-    Bytes sent per exchange: ring ``2 (k-1)/k P`` in ``2 (k-1)`` messages; allgather ``(k-1) P`` in
-    ``k - 1``; tree/node ``(L + 2 [k > 2^L]) P`` in as many (``L = floor(log2 k)``); divided by
-    the delay ``H`` (one exchange every ``H`` steps). ``k <= 1``: 0.
+    """Seconds per step the busiest of ``k`` ranks spends exchanging ``payload`` bytes:
+    :func:`exchange_s` on ``Link(alpha, beta)`` divided by the delay ``H`` (one exchange every
+    ``H`` steps). ``k <= 1``: 0.
     """
     return exchange_s(k, payload, algorithm, Link(alpha, beta)) / max(1, delay)
 
@@ -238,39 +251,43 @@ def link_for(bandwidth, alpha_s: Optional[float] = None, efficiency: Optional[fl
                 bidir_factor=cal.get("bidir_factor", 1.0) if bidir_factor is None else bidir_factor)
 
 
-ALGORITHMS = ("ring", "allgather", "tree", "node")
+ALGORITHMS = costs.ALGORITHMS
 
 
 def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Optional[Sequence[int]] = None) -> float:
     """Seconds the busiest of ``k`` ranks spends in one collective over ``link``.
 
-    Bytes and messages per rank as in :func:`layout_exchange_s` (ring allreduce of ``P``:
-    ``2 (k-1)/k P`` in ``2 (k-1)`` messages, Patarasuk & Yuan 2009; allgather: ``(k-1) P`` in
-    ``k - 1``; tree (:mod:`hgsgc.hierarchy`): ``r P`` in ``r = floor(log2 k) + 2 [k not a power of
-    two]`` pairwise swaps). Pairwise exchanges (allgather, tree, and the ring of ``k = 2``, whose two
-    ranks send to each other) run at ``beta * bidir_factor``. ``node`` with ``hosts`` (ranks per
-    host): the tree among ``len(hosts)`` leaders over ``link`` plus the reduce to and broadcast
-    from each leader over shared memory (1 us, 10 GB/s); without ``hosts``, the tree over ``k``.
+    ``link.time(costs.exchange_bytes(k, P, algorithm), costs.exchange_messages(k, algorithm))``:
+    ring allreduce ``2 (k-1)/k P`` in ``2 (k-1)`` messages (Patarasuk & Yuan 2009); allgather
+    ``(k-1) P`` in ``k - 1``; tree (:mod:`hgsgc.hierarchy`, busiest rank) ``r P`` in
+    ``r = floor(log2 k) + 2 [k not a power of two]`` pairwise swaps. Pairwise exchanges
+    (allgather, tree, and the ring of ``k = 2``, whose two ranks send to each other) run at
+    ``beta * bidir_factor``. ``node`` with ``hosts`` (ranks per host, consecutive): the tree among
+    ``len(hosts)`` leaders over ``link`` plus the leader's intra-host share of
+    :func:`hgsgc.costs.node_cost` (``(s-1) P`` in, reduce, and ``(s-1) P`` out, broadcast, for the
+    largest host of ``s`` ranks; ``2 (s-1)`` messages) over shared memory (1 us, 10 GB/s);
+    without ``hosts``, the tree over ``k``.
 
     Raises:
-        ValueError: unknown algorithm.
+        ValueError: unknown algorithm (valid: :data:`hgsgc.costs.ALGORITHMS`).
     """
+    if algorithm not in costs.ALGORITHMS:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {', '.join(costs.ALGORITHMS)}")
     if k <= 1:
         return 0.0
-    if algorithm == "ring":
-        return link.time(2.0 * (k - 1) / k * payload, 2 * (k - 1), pairwise=(k == 2))
-    if algorithm == "allgather":
-        return link.time((k - 1) * payload, k - 1, pairwise=True)
     if algorithm == "node" and hosts:
-        s = max(hosts)
-        shm = Link(1e-6, 10e9)
-        intra = shm.time(s * payload, s) if s > 1 else 0.0
-        return intra + exchange_s(len(hosts), payload, "tree", link)
-    if algorithm in ("tree", "node"):
-        L = k.bit_length() - 1
-        r = L + (2 if k > (1 << L) else 0)
-        return link.time(r * payload, r, pairwise=True)
-    raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+        sizes = [int(h) for h in hosts]
+        layout, start = [], 0
+        for size in sizes:
+            layout.append(list(range(start, start + size)))
+            start += size
+        big = layout[sizes.index(max(sizes))]
+        c = costs.node_cost(layout, big[0], payload)
+        intra_bytes = (c["bytes_sent"] - c["inter_bytes_sent"]) + (c["bytes_received"] - c["inter_bytes_received"])
+        intra = Link(1e-6, 10e9).time(intra_bytes, 2 * (len(big) - 1)) if len(big) > 1 else 0.0
+        return intra + exchange_s(len(sizes), payload, "tree", link)
+    return link.time(costs.exchange_bytes(k, payload, algorithm), costs.exchange_messages(k, algorithm),
+                     pairwise=(algorithm != "ring" or k == 2))
 
 
 def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULATOR["cycle_s"],
@@ -278,10 +295,11 @@ def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULAT
     """Horovod's time per exchange besides the data (docs/benchmarks/step_profile.md): each
     collective waits on average half a background cycle (``cycle_s / 2``; Horovod does not wake
     up when a tensor is enqueued) and is negotiated by one small allreduce (``ceil(log2 k)``
-    messages); an allgather first exchanges its sizes (``ceil(log2 k)`` more)."""
+    messages, :func:`hgsgc.costs.allgather_rounds`: a latency-bound collective by recursive
+    doubling); an allgather first exchanges its sizes (``ceil(log2 k)`` more)."""
     if k <= 1:
         return 0.0
-    lg = (k - 1).bit_length()
+    lg = costs.allgather_rounds(k)
     return collectives * (cycle_s / 2.0 + lg * link.alpha_s) + allgathers * lg * link.alpha_s
 
 
@@ -300,40 +318,24 @@ class Traffic:
 
 def traffic(compression, shapes: Sequence[Sequence[int]]) -> Traffic:
     """The collectives :class:`hgsgc.communicator.Exchanger` issues for one exchange of float32
-    tensors of ``shapes`` under ``compression`` (an ``hgsgc.Compression`` value): dense: one ring
-    allreduce of ``w d`` bytes (w = 4 fp32, 2 fp16); top-k / SGC / DGC: one payload through its
-    ``hierarchy``; TernGrad: a ring allreduce of the 4-byte scales and an allgather of the codes;
-    PowerSGD: two ring allreduces (P factors + uncompressed tensors, then Q factors). Byte counts
-    from :func:`hgsgc.compression.codec.exchange_payload_bytes` and the PowerSGD shapes.
+    tensors of ``shapes`` under ``compression`` (an ``hgsgc.Compression`` value), as the setting
+    states them: ``setting.collectives(shapes)`` where it issues several (TernGrad: a ring
+    allreduce of the 4-byte scales, an allgather of the codes; PowerSGD: two ring allreduces, P
+    factors + uncompressed tensors, then Q factors), else one collective
+    ``(setting.algorithm, setting.payload_bytes(shapes))`` (dense: ring of ``w d`` bytes, w = 4
+    fp32, 2 fp16; top-k / SGC / DGC: its ``hierarchy``; EF-SignSGD: allgather); the delay is
+    ``setting.delay``. The bytes always sum to ``setting.payload_bytes(shapes)``.
 
     Raises:
-        TypeError: a compression with no traffic model.
+        TypeError: not a compression setting (:func:`hgsgc.compression.as_compression`).
     """
-    from hgsgc.compression import (DenseCompression, PowerSGDCompression, SparseCompression,
-                                   TernGradCompression, as_compression, powersgd)
-    from hgsgc.compression.codec import exchange_payload_bytes
+    from hgsgc.compression import as_compression
 
     comp = as_compression(compression)
-    delay = int(getattr(comp, "delay", 1) or 1)
     shapes = [tuple(int(x) for x in s) for s in shapes]
-    if isinstance(comp, DenseCompression):
-        return Traffic((("ring", exchange_payload_bytes(comp, shapes)),), delay)
-    if isinstance(comp, SparseCompression):
-        return Traffic(((comp.hierarchy, exchange_payload_bytes(comp, shapes)),), delay)
-    if isinstance(comp, TernGradCompression):
-        scales = 4 * len(shapes)
-        return Traffic((("ring", scales), ("allgather", exchange_payload_bytes(comp, shapes) - scales)), delay)
-    if isinstance(comp, PowerSGDCompression):
-        p_b = q_b = dense_b = 0
-        for s in shapes:
-            mpq = powersgd.matrix_shape(s, comp.rank)
-            if mpq is None:
-                dense_b += 4 * int(math.prod(s))
-            else:
-                m, p, q = mpq
-                p_b, q_b = p_b + 4 * m * q, q_b + 4 * p * q
-        return Traffic((("ring", p_b + dense_b),) + ((("ring", q_b),) if q_b else ()), delay)
-    raise TypeError(f"no traffic model for compression {comp!r}")
+    several = getattr(comp, "collectives", None)
+    colls = several(shapes) if several is not None else ((comp.algorithm, comp.payload_bytes(shapes)),)
+    return Traffic(tuple((str(a), int(b)) for a, b in colls), int(comp.delay))
 
 
 def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, link: Link,
@@ -443,10 +445,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     import tensorflow as tf
 
     from hgsgc.communicator import Exchanger
-    from hgsgc.compression import DenseCompression, SparseCompression, as_compression
+    from hgsgc.compression import SparseCompression, as_compression
 
     comp = as_compression(compression)
-    if isinstance(comp, DenseCompression):
+    if not comp.compressed:  # dense: Horovod's allreduce, nothing to encode
         return {"base_s": 0.0, "per_payload_s": 0.0}
     if not hvd.is_initialized():
         hvd.init()
@@ -485,15 +487,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
 
 
 def compression_at(cost: dict, k: int, algorithm: str) -> float:
-    """:func:`measure_compression_s`'s cost for an exchange among ``k`` ranks."""
-    if k <= 1:
-        return cost["base_s"]
-    if algorithm in ("tree", "node"):
-        L = k.bit_length() - 1
-        extra = L + (1 if k > (1 << L) else 0)
-    else:
-        extra = k - 1
-    return cost["base_s"] + extra * cost["per_payload_s"]
+    """:func:`measure_compression_s`'s cost for an exchange among ``k`` ranks:
+    ``base_s + costs.exchange_merges(k, algorithm) * per_payload_s`` (``k - 1`` payloads to decode
+    and add; ``ceil(log2 k)`` for tree / node)."""
+    return cost["base_s"] + costs.exchange_merges(k, algorithm) * cost["per_payload_s"]
 
 
 def plan_candidates(cfg) -> List[Tuple[str, object]]:
@@ -544,7 +541,7 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
     rows = []
     for label, comp in plan_candidates(cfg):
         tr = traffic(comp, shapes)
-        alg = tr.collectives[-1][0]
+        alg = algorithm_of(comp)
         cost = measure_compression_s(comp, shapes, reps)
         if log:
             log(f"plan: measured {label}: compression {cost['base_s'] * 1e3:.1f} ms "

@@ -181,6 +181,8 @@ def summarize(res):
 
 
 def write_outputs(res, rows, args):
+    from hgsgc import costs  # the allgather byte formula (the tree column is its upper bound)
+
     os.makedirs(OUT, exist_ok=True)
     errors = [dict(n=r["n"], **e) for r in res for e in r["errors"]]
     doc = {"numel": list(NUMEL), "density": DENSITY, "steps": STEPS,
@@ -215,7 +217,7 @@ def write_outputs(res, rows, args):
         ok = all(by[(n, h)]["measured_equals_formula"] for h in ("allgather", "tree", "node"))
         lines.append(
             f"| {n} | {a['max_sent']} | {t['max_sent']} | {t['max_received']} | {nd['max_sent']} "
-            f"| {nd['max_inter_sent_formula']} | {(n - 1) * P} | {(int(math.log2(n)) + 2) * P} "
+            f"| {nd['max_inter_sent_formula']} | {costs.allgather_bytes(n, P)} | {(int(math.log2(n)) + 2) * P} "
             f"| {a['rounds']} / {t['rounds']} / {nd['rounds']} | {'yes' if ok else 'NO'} |")
     lines += [
         "",
@@ -264,7 +266,7 @@ def write_outputs(res, rows, args):
         ax.plot(ns, [by[(n, h)]["max_sent"] for n in ns], style, label=f"{h} (measured)")
     ax.plot(ns, [by[(n, "node")]["max_inter_sent_formula"] for n in ns], "^:",
             label=f"node, between hosts ({args.ranks_per_node}/host)")
-    ax.plot(ns, [(n - 1) * P for n in ns], "k--", lw=0.8, label="(n-1) P")
+    ax.plot(ns, [costs.allgather_bytes(n, P) for n in ns], "k--", lw=0.8, label="(n-1) P")
     ax.plot(ns, [(int(math.log2(n)) + 2) * P for n in ns], "k:", lw=0.8,
             label="(floor(log2 n)+2) P (tree bound)")
     ax.set_xlabel("ranks n")

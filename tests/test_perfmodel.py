@@ -10,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from hgsgc import costs  # noqa: E402
 from hgsgc import perfmodel as pm  # noqa: E402
 
 
@@ -47,8 +48,13 @@ def test_exchange_formulas_by_hand():
     assert pm.exchange_s(5, 1000, "tree", L) == pytest.approx(4e-4 + 4000 / 5e5)  # L=2 + fold/unfold
     assert pm.exchange_s(8, 1000, "tree", L) == pytest.approx(3e-4 + 3000 / 5e5)
     shm = pm.Link(1e-6, 10e9)
+    # node: the leader of a host of s ranks reduces (s-1) P in and broadcasts (s-1) P out over
+    # shared memory (hgsgc.costs.node_cost), then the tree among the host leaders
     assert pm.exchange_s(8, 1000, "node", L, hosts=[4, 4]) == pytest.approx(
-        shm.time(4000, 4) + pm.exchange_s(2, 1000, "tree", L))
+        shm.time(6000, 6) + pm.exchange_s(2, 1000, "tree", L))
+    assert pm.exchange_s(6, 1000, "node", L, hosts=[2, 3, 1]) == pytest.approx(
+        shm.time(4000, 4) + pm.exchange_s(3, 1000, "tree", L))
+    assert pm.exchange_s(3, 1000, "node", L, hosts=[1, 1, 1]) == pytest.approx(pm.exchange_s(3, 1000, "tree", L))
     with pytest.raises(ValueError, match="unknown exchange algorithm"):
         pm.exchange_s(4, 1, "butterfly", L)
 
@@ -63,6 +69,21 @@ def test_tree_matches_hierarchy_byte_formulas(n):
     msgs = max(tree_cost(n, r, P)["messages"] for r in range(n))
     link = pm.Link(1.0, 1.0)  # alpha 1 s, beta 1 B/s: time = messages + bytes
     assert pm.exchange_s(n, P, "tree", link) == pytest.approx(msgs + busiest)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33])
+def test_costs_messages_and_merges_match_the_schedules(n):
+    """hgsgc.costs' message and merge counts, which the model charges, against the tree's
+    per-rank schedule (the busiest rank) and the closed forms of the module docstring."""
+    busiest_msgs = max(costs.tree_cost(n, r, 1)["messages"] for r in range(n))
+    busiest_recv = max(costs.tree_cost(n, r, 1)["bytes_received"] for r in range(n))
+    assert costs.exchange_messages(n, "tree") == costs.exchange_messages(n, "node") == busiest_msgs
+    assert costs.exchange_merges(n, "tree") == costs.exchange_merges(n, "node") == busiest_recv
+    assert costs.exchange_messages(n, "ring") == (2 * (n - 1) if n > 1 else 0)
+    assert costs.exchange_messages(n, "allgather") == costs.exchange_merges(n, "allgather") == max(0, n - 1)
+    for bad in (costs.exchange_messages, costs.exchange_merges):
+        with pytest.raises(ValueError, match="unknown exchange algorithm 'mesh'"):
+            bad(n, "mesh")
 
 
 def test_layout_exchange_is_the_same_formula():
@@ -166,7 +187,6 @@ def test_plan_cli_bad_input_is_one_line(args, needle):
 # Pinned predictions: the expected values are built here from the byte and round formulas of
 # hgsgc.costs and the alpha-beta definition (time = messages * alpha + bytes / beta), so the
 # same test held before perfmodel took its figures from hgsgc.costs and holds after.
-from hgsgc import costs  # noqa: E402
 
 PIN_LINK = pm.Link(alpha_s=2.5e-4, beta_Bps=1.175e7, bidir_factor=0.5)
 PIN_KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 1024)

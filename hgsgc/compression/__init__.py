@@ -5,7 +5,8 @@
     opt = hgsgc.DistributedOptimizer(opt, compression=hgsgc.Compression.sgc(density=0.005))
 
 Each setting below is a frozen dataclass that knows its payload by formula
-(``payload_bytes(shapes)``), its collective (``algorithm``) and how to build its composition
+(``payload_bytes(shapes)``), its collective (``algorithm``; settings that issue more than one
+collective per exchange list them in ``collectives(shapes)``) and how to build its composition
 (``build(env)`` -> :class:`~hgsgc.compression.wrappers.Pipeline`): codecs (:mod:`.codec` top-k +
 2-bit values, :mod:`.terngrad`, :mod:`.signsgd`), reducers (:mod:`.reducers`, PowerSGD's in
 :mod:`.powersgd`), wrappers (:mod:`.wrappers`: error feedback, momentum correction, local
@@ -232,6 +233,15 @@ class TernGradCompression:
 
         return sum(terngrad.payload_bytes(_numel(s)) for s in shapes if _numel(s))
 
+    def collectives(self, shapes):
+        """The collectives of one exchange, ``(("ring", 4 t), ("allgather", payload_bytes - 4 t))``
+        for ``t`` non-empty tensors: the ``allreduce(op=Max)`` of one float32 scale per tensor, then
+        the allgather of the packed codes (bytes; they sum to :meth:`payload_bytes`)."""
+        from hgsgc.compression import terngrad
+
+        scales = terngrad.SCALE_BYTES * sum(1 for s in shapes if _numel(s))
+        return (("ring", scales), ("allgather", self.payload_bytes(shapes) - scales))
+
     def build(self, env):
         from hgsgc.compression.terngrad import TernGradReducer
         from hgsgc.compression.wrappers import Pipeline
@@ -280,6 +290,15 @@ class PowerSGDCompression:
         from hgsgc.compression import powersgd
 
         return sum(powersgd.payload_bytes(s, self.rank) for s in shapes)
+
+    def collectives(self, shapes):
+        """The two grouped ring allreduces of one exchange: ``(("ring", 4 sum m q + 4 d_dense),
+        ("ring", 4 sum p q))`` (bytes; they sum to :meth:`payload_bytes`; the second is left out
+        when no tensor is compressed)."""
+        from hgsgc.compression import powersgd
+
+        q = sum(4 * mpq[1] * mpq[2] for mpq in (powersgd.matrix_shape(s, self.rank) for s in shapes) if mpq)
+        return (("ring", self.payload_bytes(shapes) - q),) + ((("ring", q),) if q else ())
 
     def build(self, env):
         from hgsgc.compression.powersgd import PowerSGDReducer

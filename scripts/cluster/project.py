@@ -64,7 +64,7 @@ def main(argv=None):
         for n in args.nodes:
             for label, comp, cost in methods:
                 tr = pm.traffic(comp, shapes)
-                alg = tr.collectives[-1][0]
+                alg = pm.algorithm_of(comp)
                 p = pm.predict_step(compute, pm.compression_at(cost, n, alg), tr, n, link)
                 rows.append({"bandwidth": bw, "nodes": n, "method": label, "algorithm": alg, **p})
     with open("/proc/loadavg") as f:
