@@ -99,17 +99,28 @@ def test_resume_mid_run_is_bit_exact(np_, method, tmp_path_factory):
     assert len(diffs) > np_, diffs
 
 
+HG_CODECS = {  # (ranks, extra settings): 2 ranks = 1 CONV + 1 FC, 3 ranks = 2 CONV + 1 FC
+    # the demo's codecs (Makefile DEMO_HOURGLASS): stochastic rounding both ways, pipelined
+    "sparse+q4": (3, ["hourglass.act_codec=sparse+q4", "hourglass.grad_codec=sparse+q4",
+                      "hourglass.micro_batches=2"]),
+    "q8": (2, ["hourglass.act_codec=q8", "hourglass.grad_codec=q8"]),
+}
+
+
 @pytest.mark.slow
-def test_hourglass_resume_is_bit_exact(tmp_path_factory):
-    """Hourglass + SGC delay 4 (2 CONV ranks, 1 FC rank): resumed after step 3 in a new run, the
-    final state of every rank (CONV trunks, FC head, both roles' optimizers and hgsgc state)
-    equals the uninterrupted run's bit for bit."""
+@pytest.mark.parametrize("codec", list(HG_CODECS))
+def test_hourglass_resume_is_bit_exact(codec, tmp_path_factory):
+    """Hourglass + SGC delay 4 (2 CONV ranks + 1 FC rank, or 1 + 1) with stochastically rounded
+    boundary codecs (q8, sparse+q4 both ways): resumed after step 3 in a new run, the
+    final state of every rank (CONV trunks, FC head, both roles' optimizers and hgsgc state, the
+    codec's random-number generator) equals the uninterrupted run's bit for bit."""
+    np_, extra = HG_CODECS[codec]
     args = HOURGLASS[:4] + ["train.epochs=2", "train.max_steps_per_epoch=5", "train.progress=false",
                             "train.threads=1", "hourglass.fc_workers=1", "train.deterministic=true",
                             "checkpoint.keep=20", "compression.delay=4", "compression.density=0.05"]
     env = _env()
-    base = MPIRUN + ["-np", "3", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m",
-                     "hgsgc.cli", "train"] + args
+    base = MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m",
+                     "hgsgc.cli", "train"] + args + extra
     out = tmp_path_factory.mktemp("hg")
     p = subprocess.run(base + [f"run.out_dir={out}", "run.id=a", "checkpoint.every_steps=3"],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -120,14 +131,23 @@ def test_hourglass_resume_is_bit_exact(tmp_path_factory):
     p = subprocess.run(base + [f"run.out_dir={out}", "run.id=b"], capture_output=True, text=True,
                        timeout=600, env=env, cwd=ROOT)
     assert p.returncode == 0 and "(step 3)" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
-    _assert_bit_exact(a / f"step-{STEPS:08d}", out / "b" / "checkpoints" / f"step-{STEPS:08d}",
-                      min_leaves=3 * 8)
-    man = ckpt.read_manifest(str(a / f"step-{STEPS:08d}"))
-    assert man["run"]["roles"] == {"conv": [0, 1], "fc": [2]}
-    conv = ckpt.load_rank(str(a / f"step-{STEPS:08d}"), man, 0)
+    final_a, final_b = a / f"step-{STEPS:08d}", out / "b" / "checkpoints" / f"step-{STEPS:08d}"
+    _assert_bit_exact(final_a, final_b, min_leaves=np_ * 8)
+    man = ckpt.read_manifest(str(final_a))
+    assert man["run"]["roles"] == {"conv": list(range(np_ - 1)), "fc": [np_ - 1]}
+    conv = ckpt.load_rank(str(final_a), man, 0)
     assert "anchors" in conv["optimizer"]["hgsgc"]  # the CONV side's delay state is saved
-    n, diffs = compare(str(a / "step-00000003"), str(a / f"step-{STEPS:08d}"))
-    assert len(diffs) > 3, diffs
+    # every rank's codec generator state is saved, differs per rank, and moved since step 3
+    start = ckpt.read_manifest(str(a / "step-00000003"))
+    rng = [ckpt.load_rank(str(final_a), man, r)["trainer"]["rng"] for r in range(np_)]
+    rng3 = [ckpt.load_rank(str(a / "step-00000003"), start, r)["trainer"]["rng"]
+            for r in range(np_)]
+    assert all(s["bit_generator"] == "PCG64" for s in rng)
+    assert len({s["state"]["state"] for s in rng}) == np_
+    moved = [s["state"]["state"] != s3["state"]["state"] for s, s3 in zip(rng, rng3)]
+    assert all(moved), moved
+    n, diffs = compare(str(a / "step-00000003"), str(final_a))
+    assert len(diffs) > np_, diffs
 
 
 def _rank_pids(mpirun_pid, np_, deadline_s=120):

@@ -345,3 +345,42 @@ def check_pair(act, grad, trunk=None) -> Tuple[BoundaryCodec, BoundaryCodec]:
             f"(+ pooling/flatten), so gradients at zero activations matter: use grad_codec="
             f"{g.values.kind}")
     return a, g
+
+
+def generator_state(rng: np.random.Generator) -> dict:
+    """The state of the stochastic-rounding generator as a checkpointable tree (no pickle).
+
+    ``numpy``'s ``rng.bit_generator.state`` with every numpy integer turned into a Python ``int``
+    (PCG64: ``{"bit_generator": "PCG64", "state": {"state": int, "inc": int}, "has_uint32": int,
+    "uinteger": int}``, 128-bit ints stored exactly by :mod:`hgsgc.checkpoint`); arrays (other
+    bit generators, e.g. MT19937's ``uint32 [624]`` key) stay numpy arrays. Restoring it with
+    :func:`set_generator_state` makes the generator draw the same numbers again, which a
+    bit-exact resume with ``q8`` / ``q4`` boundary codecs needs.
+    """
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        if isinstance(v, (np.integer, bool, int)):
+            return int(v)
+        return v
+
+    return plain(rng.bit_generator.state)
+
+
+def set_generator_state(rng: np.random.Generator, state: dict) -> None:
+    """Restore :func:`generator_state` into ``rng`` (in place).
+
+    Raises:
+        ValueError: ``state`` belongs to another bit generator (both names given) or is malformed.
+    """
+    have = type(rng.bit_generator).__name__
+    got = state.get("bit_generator") if isinstance(state, dict) else None
+    if got != have:
+        raise ValueError(f"boundary codec generator state is for bit generator {got!r}, but this "
+                         f"run's generator is {have!r}")
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"boundary codec generator state is malformed: {exc}") from exc

@@ -44,7 +44,7 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
-from hgsgc.hourglass.boundary import check_pair
+from hgsgc.hourglass.boundary import check_pair, generator_state, set_generator_state
 
 TAG_ACT, TAG_LABEL, TAG_GRAD = 101, 102, 103
 TAG_EVAL_HDR, TAG_EVAL_ACT, TAG_EVAL_LABEL = 111, 112, 113
@@ -91,7 +91,7 @@ class HourglassTrainer:
             update per step: the gradients are sums over micro-batches, so the step is the same
             SGD step (float summation order aside; dropout draws masks per micro-batch).
         codec_seed: seed of the stochastic rounding (``numpy`` generator seeded with
-            ``(codec_seed, world rank)``).
+            ``(codec_seed, world rank)``); its state is in :meth:`rng_state` (checkpoints).
         record: keep this step's boundary tensors in ``self.recorded`` (tests: CONV ranks ``a``,
             ``g_dec``; FC ranks ``a_dec``, ``g``, ``mask``, lists over micro-batches x CONV ranks).
 
@@ -445,6 +445,15 @@ class HourglassTrainer:
         if reset:
             self._train_loss[:] = 0
         return tot[0] / tot[1] if tot[1] else float("nan")
+
+    def rng_state(self) -> dict:
+        """This rank's stochastic-rounding generator state (plain ints; see
+        :func:`hgsgc.hourglass.boundary.generator_state`), for checkpoints."""
+        return generator_state(self.rng)
+
+    def load_rng_state(self, state: dict) -> None:
+        """Restore :meth:`rng_state` (ValueError if it belongs to another bit generator)."""
+        set_generator_state(self.rng, state)
 
     # ------------------------------------------------------------------------------------
     def snapshot(self) -> Dict[str, int]:

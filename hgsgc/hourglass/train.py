@@ -341,6 +341,8 @@ def run(cfg, log=print) -> dict:
             trainer.counts.update({k: int(v) for k, v in t["counts"].items()})
             trainer.steps = int(t["steps"])
             trainer._train_loss[:] = t["train_loss"]
+            if "rng" in t:  # stochastic rounding of q8/q4 boundary codecs (older checkpoints lack it)
+                trainer.load_rng_state(t["rng"])
             loop.update(saved["loop"])
 
         checkpointer.restore(restore, "Hourglass state")
@@ -358,7 +360,8 @@ def run(cfg, log=print) -> dict:
         return {"net": ckpt.model_state(trainer.net),
                 "optimizer": ckpt.optimizer_state(trainer.opt),
                 "trainer": {"counts": dict(trainer.counts), "steps": int(trainer.steps),
-                            "train_loss": trainer._train_loss.copy()},
+                            "train_loss": trainer._train_loss.copy(),
+                            "rng": trainer.rng_state()},
                 "loop": {"global_step": int(now[0]), "history": history, "before": before,
                          "start_snap": start_snap, "step_times": step_times,
                          "first_step_time": first_step_time,
