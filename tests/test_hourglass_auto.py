@@ -67,3 +67,99 @@ def test_exchange_model_matches_the_counted_bytes():
     assert perfmodel.layout_exchange_s(1, 1e9, "ring", 1, 1.0, 1.0) == 0.0
     with pytest.raises(ValueError, match="unknown exchange algorithm"):
         perfmodel.layout_exchange_s(3, 1.0, "mesh", 1, 0.0, 1.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Boundary bytes: one function (hgsgc.hourglass.costmodel.boundary_bytes) for fc_workers: auto,
+# layout: auto and hgsgc plan, equal to the codecs' exact payloads.
+def _relu_batch(b=6, f=10, seed=0):
+    import numpy as np
+
+    x = np.random.default_rng(seed).standard_normal((b, f)).astype("float32")
+    return np.maximum(x, 0.0)
+
+
+def test_boundary_bytes_by_hand():
+    from hgsgc.hourglass.costmodel import boundary_bytes
+
+    a = _relu_batch()
+    b, f = a.shape
+    nnz = [int((a[lo:hi] != 0).sum()) for lo, hi in ((0, 3), (3, 6))]
+    # dense codecs: 4 f (fp32) / 2 f (fp16) per example, + a 4-byte label on the way in
+    assert boundary_bytes("fp32", "fp32", a != 0) == (4 * f + 4, 4 * f)
+    assert boundary_bytes("fp16", "fp16", a != 0, 3) == (2 * f + 4, 2 * f)
+    # q8: 4 f scales per message + 1 byte per value; two messages of 3 rows
+    assert boundary_bytes("q8", "q4", a != 0, 2) == pytest.approx(
+        ((2 * (4 * f + 3 * f) + 4 * b) / b, 2 * (4 * f + math.ceil(3 * f / 2)) / b))
+    # sparse+q8 activations: bitmap ceil(3 f / 8) + 4 f + nnz_j per message; masked gradients
+    # (sparse+q4): 4 f + ceil(nnz_j / 2), no bitmap
+    want_a = sum(math.ceil(3 * f / 8) + 4 * f + n for n in nnz) + 4 * b
+    want_g = sum(4 * f + math.ceil(n / 2) for n in nnz)
+    assert boundary_bytes("sparse+q8", "sparse+q4", a != 0, 2) == pytest.approx((want_a / b, want_g / b))
+    with pytest.raises(ValueError, match="micro_batches=7"):
+        boundary_bytes("fp32", "fp32", a != 0, 7)
+
+
+@pytest.mark.parametrize("act,grad", [("fp32", "fp32"), ("fp16", "q8"), ("q4", "fp16"),
+                                      ("sparse+q8", "sparse+q8"), ("sparse+fp16", "q4"), ("sparse", "sparse+fp32")])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_boundary_bytes_equal_the_encoded_messages(act, grad, M):
+    """What the Hourglass step sends: one encoded message per micro-batch (step.py _chunks)."""
+    import numpy as np
+
+    from hgsgc.hourglass.boundary import BoundaryCodec
+    from hgsgc.hourglass.costmodel import boundary_bytes, micro_batch_bounds
+
+    a = _relu_batch(b=8, f=12, seed=M)
+    ac, gc = BoundaryCodec.parse(act), BoundaryCodec.parse(grad)
+    rng = np.random.default_rng(0)
+    sent_a = sent_g = 0
+    for lo, hi in micro_batch_bounds(8, M):
+        chunk = a[lo:hi]
+        pa = ac.encode(chunk, rng)
+        _, mask = ac.decode(pa, hi - lo, 12)
+        g = np.random.default_rng(1).standard_normal(chunk.shape).astype("float32")
+        pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
+        sent_a += len(pa) + 4 * (hi - lo)
+        sent_g += len(pg)
+    assert boundary_bytes(act, grad, a != 0, M) == pytest.approx((sent_a / 8, sent_g / 8), rel=1e-15)
+
+
+def test_configured_codecs():
+    from types import SimpleNamespace as NS
+
+    from hgsgc.hourglass.costmodel import configured_codecs
+
+    name = lambda p: tuple(c.name for c in p)  # noqa: E731
+    assert name(configured_codecs(NS(wire_dtype="float32", act_codec=None, grad_codec=None))) == ("fp32", "fp32")
+    assert name(configured_codecs(NS(wire_dtype="float16", act_codec=None, grad_codec=None))) == ("fp16", "fp16")
+    assert name(configured_codecs(NS(wire_dtype="float32", act_codec="sparse+q4", grad_codec="q8"))) == (
+        "sparse+q4", "q8")
+
+
+def test_fc_workers_auto_and_layout_auto_size_the_boundary_alike():
+    """measure_costs (fc_workers: auto) and auto.measure (layout: auto) on the same batch and
+    codecs report the same boundary bytes, boundary_bytes of the trunk's activations; and the
+    configured codec, not wire_dtype, sets them."""
+    import numpy as np
+
+    from hgsgc import Compression
+    from hgsgc.hourglass import auto
+    from hgsgc.hourglass.costmodel import boundary_bytes, measure_costs
+    from hgsgc.hourglass.split import split_model
+    from hgsgc.models import build_model
+
+    split = split_model(build_model("tiny", seed=5))
+    b = 8
+    x = np.random.default_rng(0).random((b,) + tuple(int(s) for s in split.trunk.inputs[0].shape[1:]),
+                                         dtype=np.float32)  # the batch measure_costs draws
+    nz = split.trunk(x, training=False).numpy().reshape(b, -1) != 0
+    for act, grad, M in (("fp32", "fp32", 1), ("q4", "q8", 2), ("sparse+q8", "sparse+q8", 4)):
+        want = boundary_bytes(act, grad, nz, M)
+        inp = measure_costs(split, b, Compression.none, Compression.none, 100.0, repeats=1,
+                            act_codec=act, grad_codec=grad, micro_batches=M)
+        assert (inp.act_bytes, inp.grad_bytes) == want, (act, grad)
+        got = auto.measure(split, x, act, grad, repeats=1, micro_batches=M)
+        assert (got["act_bytes"], got["grad_bytes"]) == want, (act, grad)
+    f = split.features
+    assert boundary_bytes("q4", "q8", nz, 2)[0] < boundary_bytes("fp16", "fp16", nz, 2)[0] == 2 * f + 4

@@ -4,11 +4,14 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
 
 * ``t_conv``, ``t_fc``: seconds per example of the trunk's and the head's forward + backward pass
   (the configured per-rank batch ``b``; median of 3 timed calls after a tracing call);
-* ``act_bytes``, ``grad_bytes``: bytes per example of the boundary with the CONFIGURED codecs,
-  from encoding the trunk's real activations of one training batch (initial weights: the
-  density of non-zeros is higher at initialisation than after training, so this overestimates
-  sparse codecs' bytes) and a gradient of the same shape; ``codec_s``: encode + decode seconds per
-  example for both directions together (one warm-up round, then the median of 3);
+* ``act_bytes``, ``grad_bytes``: bytes per example of the boundary with the CONFIGURED codecs
+  (:func:`hgsgc.hourglass.costmodel.configured_codecs`), by the codecs' payload formulas
+  (:func:`hgsgc.hourglass.costmodel.boundary_bytes`, the function ``fc_workers: auto`` and
+  ``hgsgc plan`` use too) over the non-zeros of the trunk's real activations of one training
+  batch (initial weights: the density of non-zeros is higher at initialisation than after
+  training, so this overestimates sparse codecs' bytes), in ``hourglass.micro_batches`` messages;
+  ``codec_s``: encode + decode seconds per example for both directions together (one warm-up
+  round, then the median of 3);
 * ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link: a short
   point-to-point ping-pong between rank 0 and every other rank (8 B x 20 for ``alpha``, 1 MiB x 3
   for ``beta``; medians; the slowest pair counts, as the slowest link bounds a step);
@@ -68,17 +71,23 @@ def probe_link(comm, small_reps: int = 20, big_bytes: int = 1 << 20, big_reps: i
             "pairs": pairs}
 
 
-def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> dict:
+def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro_batches: int = 1) -> dict:
     """This rank's compute and codec figures (see the module docstring).
 
     Args:
         split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one real training batch ``[b, ...]``.
         act_codec, grad_codec: :class:`~hgsgc.hourglass.boundary.BoundaryCodec` (or specs).
+        micro_batches: boundary messages per batch (``hourglass.micro_batches``).
+
+    Returns:
+        ``{"t_conv", "t_fc", "codec_s"}`` (seconds per example), ``{"act_bytes", "grad_bytes"}``
+        (bytes per example, :func:`~hgsgc.hourglass.costmodel.boundary_bytes`) and ``"density"``
+        (fraction of non-zero activations).
     """
     import tensorflow as tf
 
     from hgsgc.hourglass.boundary import BoundaryCodec
-    from hgsgc.hourglass.costmodel import median_seconds, stage_passes
+    from hgsgc.hourglass.costmodel import boundary_bytes, median_seconds, stage_passes
 
     ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
     trunk, head = split.trunk, split.head
@@ -102,15 +111,16 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3) -> di
         gc.decode(pg, b, a.shape[1], mask=mask if gc.sparse else None)
         return pa, pg
 
-    pa, pg = codec_round()  # warm-up, as for the passes above
+    codec_round()  # warm-up, as for the passes above
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         codec_round()
         ts.append(time.perf_counter() - t0)
     codec_s = sorted(ts)[len(ts) // 2] / b
-    return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": (len(pa) + 4 * b) / b,
-            "grad_bytes": len(pg) / b, "codec_s": codec_s,
+    act_bytes, grad_bytes = boundary_bytes(ac, gc, a != 0, micro_batches)
+    return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": act_bytes,
+            "grad_bytes": grad_bytes, "codec_s": codec_s,
             "density": float(np.count_nonzero(a)) / a.size}
 
 
@@ -126,10 +136,12 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     from hgsgc.config import compression_from_config
     from hgsgc.hourglass.train import fc_compression_from_config
 
+    from hgsgc.hourglass.costmodel import configured_codecs
+
     h = cfg.hourglass
-    default = "fp16" if h.wire_dtype == "float16" else "fp32"
     try:
-        mine, err = measure(split, x, h.act_codec or default, h.grad_codec or default), None
+        act_codec, grad_codec = configured_codecs(h)
+        mine, err = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches)), None
     except Exception as exc:  # report on every rank instead of hanging the others
         mine, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
     gathered = comm.allgather((mine, err))

@@ -5,9 +5,11 @@ Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field me
 * ``t_conv``, ``t_fc``: seconds per example of the trunk's and of the head's forward + backward
   pass (head: with the loss and the gradient with respect to the activations), timed on this
   machine with the configured per-rank batch ``b``;
-* ``act_bytes``: bytes per example CONV -> FC (activations ``w f`` + an int32 label 4, ``w`` = 4
-  for fp32 on the wire, 2 for ``hourglass.wire_dtype=float16``), ``grad_bytes``: bytes per
-  example FC -> CONV (activation gradients ``w f``);
+* ``act_bytes``: bytes per example CONV -> FC (the activations encoded by the configured
+  ``hourglass.act_codec`` + an int32 label, 4), ``grad_bytes``: bytes per example FC -> CONV (the
+  activation gradients encoded by ``hourglass.grad_codec``), both from :func:`boundary_bytes`, the
+  codecs' exact payload lengths, which ``layout: auto`` uses too (``hourglass.wire_dtype`` is
+  only the default codec: :func:`configured_codecs`);
 * ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
   (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_exchange`` /
   ``fc_exchange`` the algorithm (``ring`` allreduce for dense, ``allgather`` or ``tree`` for
@@ -33,9 +35,81 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import List
+from typing import List, Tuple
 
 from hgsgc.costs import exchange_bytes  # noqa: F401 (re-exported; the one module of cost formulas)
+
+#: Bytes of one example's int32 label, sent CONV -> FC with its activations.
+LABEL_BYTES = 4
+
+
+def micro_batch_bounds(batch_size: int, micro_batches: int = 1) -> List[Tuple[int, int]]:
+    """``[(lo, hi)]``: the example ranges of the ``M`` micro-batches of a CONV rank's batch of
+    ``batch_size`` (``linspace(0, b, M + 1)`` rounded down; the Hourglass step sends one boundary
+    message per range)."""
+    import numpy as np
+
+    edges = np.linspace(0, int(batch_size), int(micro_batches) + 1).astype(int)
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def configured_codecs(hourglass_cfg):
+    """The two boundary codecs a config runs with: ``hourglass.act_codec`` / ``grad_codec``, each
+    defaulting to ``hourglass.wire_dtype``'s (``fp16`` for float16, else ``fp32``), as
+    :class:`hgsgc.hourglass.step.HourglassTrainer` resolves them.
+
+    Returns:
+        ``(act, grad)`` :class:`~hgsgc.hourglass.boundary.BoundaryCodec` s.
+
+    Raises:
+        BoundaryCodecError: an unknown spec or an impossible pair (:func:`check_pair`).
+    """
+    from hgsgc.hourglass.boundary import check_pair
+
+    default = "fp16" if str(getattr(hourglass_cfg, "wire_dtype", "float32")) == "float16" else "fp32"
+    return check_pair(getattr(hourglass_cfg, "act_codec", None) or default,
+                      getattr(hourglass_cfg, "grad_codec", None) or default)
+
+
+def boundary_bytes(act_codec, grad_codec, nonzero, micro_batches: int = 1) -> Tuple[float, float]:
+    """Boundary bytes per example of one CONV rank's batch under the two codecs: the ONE formula
+    of ``fc_workers: auto``, ``layout: auto`` and ``hgsgc plan``.
+
+    The batch goes as ``M`` messages (:func:`micro_batch_bounds`); message ``j`` of ``r_j`` rows,
+    ``f`` features and ``nnz_j`` non-zero activations costs ``act.length(r_j, f, nnz_j) + 4 r_j``
+    CONV -> FC (the codec's exact payload, :meth:`BoundaryCodec.length`, plus int32 labels) and
+    ``grad.length(r_j, f, nnz_j, masked=True)`` FC -> CONV; the sums over ``j`` divided by ``b``.
+    Dense codecs do not depend on ``nnz``; the quantizers' ``4 f`` scales are paid per message.
+
+    Args:
+        act_codec, grad_codec: :class:`~hgsgc.hourglass.boundary.BoundaryCodec` s or specs.
+        nonzero: bool ``[b, f]`` (or any array, read as ``!= 0``): which activations of a
+            representative batch are non-zero (only sparse codecs read it).
+        micro_batches: ``M``, 1 .. b.
+
+    Returns:
+        ``(act_bytes, grad_bytes)`` per example (floats).
+
+    Raises:
+        ValueError: ``nonzero`` is not 2-D with at least one row, or ``M`` outside 1 .. b.
+    """
+    import numpy as np
+
+    from hgsgc.hourglass.boundary import BoundaryCodec
+
+    ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
+    nz = np.asarray(nonzero)
+    if nz.ndim != 2 or nz.shape[0] < 1:
+        raise ValueError(f"boundary_bytes needs the [batch, features] activations, got shape {nz.shape}")
+    b, f = nz.shape
+    if not 1 <= int(micro_batches) <= b:
+        raise ValueError(f"micro_batches={micro_batches} must be in 1..{b} (the batch size)")
+    act = grad = 0
+    for lo, hi in micro_batch_bounds(b, micro_batches):
+        nnz = int(np.count_nonzero(nz[lo:hi]))
+        act += ac.length(hi - lo, f, nnz) + LABEL_BYTES * (hi - lo)
+        grad += gc.length(hi - lo, f, nnz, masked=True)
+    return act / b, grad / b
 
 
 @dataclass(frozen=True)
@@ -171,12 +245,13 @@ def median_seconds(fn, args, repeats: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
-                  link_bandwidth_mbps: float, repeats: int = 3,
-                  wire_dtype: str = "float32") -> CostInputs:
+                  link_bandwidth_mbps: float, repeats: int = 3, act_codec="fp32",
+                  grad_codec="fp32", micro_batches: int = 1) -> CostInputs:
     """Time the trunk and the head on random data on this rank and build :class:`CostInputs`.
 
-    ``wire_dtype`` is the dtype activations and activation gradients travel in (its item size
-    sets ``act_bytes`` / ``grad_bytes``).
+    ``act_codec`` / ``grad_codec``: the configured boundary codecs (:func:`configured_codecs`);
+    ``act_bytes`` / ``grad_bytes`` are :func:`boundary_bytes` of the trunk's activations of the
+    random batch (initial weights) in ``micro_batches`` messages.
 
     One warm-up call (graph tracing) per stage, then the median of ``repeats`` timed calls.
     """
@@ -189,7 +264,7 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
     in_shape = tuple(int(s) for s in trunk.inputs[0].shape[1:])
     rng = np.random.default_rng(0)
     x = tf.constant(rng.random((batch_size,) + in_shape, dtype=np.float32))
-    a = tf.constant(rng.standard_normal((batch_size,) + split.boundary_shape).astype(np.float32))
+    a = trunk(x, training=False)
     n_out = int(head.outputs[0].shape[-1])
     y = tf.constant(rng.integers(0, n_out, batch_size).astype(np.int32))
 
@@ -197,12 +272,12 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
 
     t_conv = median_seconds(conv_pass, (x,), repeats) / batch_size
     t_fc = median_seconds(fc_pass, (a, y), repeats) / batch_size
-    f = split.features
-    itemsize = np.dtype(wire_dtype).itemsize
+    act_bytes, grad_bytes = boundary_bytes(act_codec, grad_codec,
+                                           a.numpy().reshape(batch_size, -1) != 0, micro_batches)
     cc, fcc = as_compression(conv_compression), as_compression(fc_compression)
     return CostInputs(
         t_conv=t_conv, t_fc=t_fc, batch_size=batch_size,
-        act_bytes=float(itemsize * f + 4), grad_bytes=float(itemsize * f),
+        act_bytes=act_bytes, grad_bytes=grad_bytes,
         conv_payload=float(payload_bytes(cc, [tuple(v.shape) for v in trunk.trainable_variables])),
         fc_payload=float(payload_bytes(fcc, [tuple(v.shape) for v in head.trainable_variables])),
         bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0,

@@ -226,8 +226,9 @@ class HourglassTrainer:
     # ------------------------------------------------------------------------------------
     def _chunks(self):
         """``[(lo, hi)]``: the micro-batches' example ranges within one CONV rank's batch."""
-        edges = np.linspace(0, self.batch_size, self.micro_batches + 1).astype(int)
-        return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
+        from hgsgc.hourglass.costmodel import micro_batch_bounds
+
+        return micro_batch_bounds(self.batch_size, self.micro_batches)
 
     def _encode(self, codec, x, mask=None):
         t0 = time.perf_counter()

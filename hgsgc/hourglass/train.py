@@ -257,7 +257,7 @@ def run(cfg, log=print) -> dict:
     from hgsgc.tasks import make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
-    from hgsgc.hourglass.costmodel import measure_costs
+    from hgsgc.hourglass.costmodel import configured_codecs, measure_costs
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
     from hgsgc.hourglass.step import HourglassTrainer
@@ -275,9 +275,10 @@ def run(cfg, log=print) -> dict:
 
     cost = None
     if cfg.hourglass.fc_workers == "auto":
+        act_codec, grad_codec = configured_codecs(cfg.hourglass)
         cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
-                                     cfg.hourglass.link_bandwidth_mbps,
-                                     wire_dtype=cfg.hourglass.wire_dtype)
+                                     cfg.hourglass.link_bandwidth_mbps, act_codec=act_codec,
+                                     grad_codec=grad_codec, micro_batches=cfg.hourglass.micro_batches)
     layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
     C, F = layout.n_conv, layout.n_fc
     _, steps_per_epoch = task.train_data(0, C, 0)
