@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     b.add_argument("spec", help="bench spec YAML, e.g. configs/bench/smoke.yaml")
     b.add_argument("--out", default=None, help="output name: docs/benchmarks/NAME.{json,md,png}")
     b.set_defaults(func=cmd_bench)
-    pl = sub.add_parser("plan", help="rank methods by predicted step time (hgsgc/perfmodel.py)")
+    pl = sub.add_parser("plan", help="rank methods and layouts by predicted step time (hgsgc/plan.py)")
     pl.add_argument("config", help="YAML config (model, batch size, density)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.name=tiny")
     pl.add_argument("--nodes", type=int, required=True, help="ranks, one per host")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                     help="no Open MPI TCP put penalty on pairwise exchanges (a tuned cluster)")
     pl.add_argument("--steps-to-target", default=None, help="JSON {method: steps or null} from quality curves")
     pl.add_argument("--json", default=None, help="also write the plan as JSON here")
-    pl.set_defaults(func=lambda a: __import__("hgsgc.perfmodel", fromlist=["plan_main"]).plan_main(a))
+    pl.set_defaults(func=lambda a: __import__("hgsgc.plan", fromlist=["plan_main"]).plan_main(a))
     args = p.parse_args(argv)
     # Horovod / Open MPI settings hgsgc chooses (docs/benchmarks/step_profile.md); only where the
     # environment has none, and before anything initialises MPI

@@ -15,10 +15,9 @@ the setting itself (``setting.payload_bytes(shapes)``, ``setting.algorithm``, an
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from hgsgc import costs
 
@@ -34,13 +33,19 @@ class LayoutInputs:
         world_size: ``n`` ranks; batch_size: ``b`` examples per rank (per CONV rank).
         t_conv, t_fc: forward + backward seconds per example of the trunk / the head.
         act_bytes, grad_bytes: boundary bytes per example CONV -> FC (labels included) / FC ->
-            CONV with the configured codecs; codec_s: encode + decode seconds per example (both
-            directions).
-        alpha: seconds per message; beta: link bandwidth, bytes per second.
+            CONV with the configured codecs (:func:`hgsgc.hourglass.costmodel.boundary_bytes`);
+            codec_s: encode + decode seconds per example (both directions).
+        alpha: seconds per message; beta: link bandwidth, bytes per second; bidir_factor: the
+            share of ``beta`` each direction keeps in pairwise exchanges (:class:`Link`).
         dp_payload, conv_payload, fc_payload: gradient payload of one exchange (bytes) of the
             whole model (data parallel) / the trunk / the head; *_algorithm: ``ring`` |
             ``allgather`` | ``tree`` | ``node``; delay, fc_delay: communication delays ``H``.
         micro_batches: ``M`` of the GPipe-style pipeline.
+        cycle_s: Horovod's cycle time (:func:`coordination_s`; 0: only the negotiation messages).
+        dp_compression_s, conv_compression_s, fc_compression_s: compression seconds of one
+            exchange (encode, decode, merge) of the whole model / the trunk / the head.
+        t_update_conv, t_update_fc: seconds per step of the optimizer update of the trunk's / the
+            head's variables (data parallelism updates both).
     """
 
     world_size: int
@@ -61,9 +66,20 @@ class LayoutInputs:
     delay: int = 1
     fc_delay: int = 1
     micro_batches: int = 1
+    bidir_factor: float = 1.0
+    cycle_s: float = 0.0
+    dp_compression_s: float = 0.0
+    conv_compression_s: float = 0.0
+    fc_compression_s: float = 0.0
+    t_update_conv: float = 0.0
+    t_update_fc: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def link(self) -> "Link":
+        return Link(self.alpha, self.beta, self.bidir_factor)
 
 
 def algorithm_of(compression) -> str:
@@ -80,21 +96,43 @@ def algorithm_of(compression) -> str:
 
 
 def layout_exchange_s(k: int, payload: float, algorithm: str, delay: int, alpha: float, beta: float) -> float:
-    """Seconds per step the busiest of ``k`` ranks spends exchanging ``payload`` bytes:
-    :func:`exchange_s` on ``Link(alpha, beta)`` divided by the delay ``H`` (one exchange every
-    ``H`` steps). ``k <= 1``: 0.
+    """Seconds per step the busiest of ``k`` ranks spends on the wire exchanging ``payload``
+    bytes: :func:`exchange_s` on ``Link(alpha, beta)`` divided by the delay ``H`` (one exchange
+    every ``H`` steps). ``k <= 1``: 0.
     """
     return exchange_s(k, payload, algorithm, Link(alpha, beta)) / max(1, delay)
 
 
+def role_exchange(inp: LayoutInputs, k: int, payload: float, algorithm: str, delay: int,
+                  compression_s: float) -> dict:
+    """One exchange among ``k`` ranks per step, as :func:`predict_step` charges it (compute 0):
+    ``{"compression_s", "wire_s", "coordination_s", "exchange_s"}``, each divided by ``delay``;
+    all 0 for ``k <= 1`` (a lone rank exchanges nothing)."""
+    if k <= 1:
+        return {"compression_s": 0.0, "wire_s": 0.0, "coordination_s": 0.0, "exchange_s": 0.0}
+    p = predict_step(0.0, compression_s, Traffic(((algorithm, payload),), int(delay)), k, inp.link,
+                     cycle_s=inp.cycle_s)
+    return {"compression_s": p["compression_s"], "wire_s": p["wire_s"],
+            "coordination_s": p["coordination_s"], "exchange_s": p["step_s"]}
+
+
 def predict_data_parallel(inp: LayoutInputs) -> dict:
-    """``T = b (t_conv + t_fc) + exchange(n, P_dp)``; throughput ``n b / T`` examples per second."""
+    """Data parallelism on ``n`` ranks: :func:`predict_step` with compute
+    ``b (t_conv + t_fc) + t_update_conv + t_update_fc`` and the whole model's exchange::
+
+        T = b (t_conv + t_fc) + u_conv + u_fc + (c_dp + wire(n, P_dp) + coordination(n)) / H
+
+    Throughput ``n b / T`` examples per second.
+    """
     n, b = inp.world_size, inp.batch_size
-    compute = b * (inp.t_conv + inp.t_fc)
-    ex = layout_exchange_s(n, inp.dp_payload, inp.dp_algorithm, inp.delay, inp.alpha, inp.beta)
-    t = compute + ex
-    return {"layout": "data_parallel", "fc_workers": None, "compute_s": compute, "exchange_s": ex,
-            "step_s": t, "examples_per_step": n * b, "throughput": n * b / t if t > 0 else float("inf")}
+    compute = b * (inp.t_conv + inp.t_fc) + inp.t_update_conv + inp.t_update_fc
+    p = predict_step(compute, inp.dp_compression_s, Traffic(((inp.dp_algorithm, inp.dp_payload),), int(inp.delay)),
+                     n, inp.link, cycle_s=inp.cycle_s)
+    t = p["step_s"]
+    return {"layout": "data_parallel", "fc_workers": None, "compute_s": compute,
+            "compression_s": p["compression_s"], "wire_s": p["wire_s"], "coordination_s": p["coordination_s"],
+            "exchange_s": t - compute, "step_s": t, "examples_per_step": n * b,
+            "throughput": n * b / t if t > 0 else float("inf")}
 
 
 def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
@@ -104,12 +142,12 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
     four stages take ``s_conv = (b t_conv + b c/2) / M`` (trunk + its half of the codec work),
     ``s_in = m b act / (M beta)`` (activations into the FC rank's link), ``s_fc = m b (t_fc +
     c/2) / M``, ``s_out = m b grad / (M beta)``; a GPipe pipeline of ``M`` micro-batches takes
-    ``sum(s) M / M + (M - 1) max(s)`` = ``S + (M - 1) max(s)`` with ``S = sum(s)`` (``M = 1``: the
-    stages in series). The two gradient exchanges run on disjoint links after the boundary
-    traffic (the FC exchange overlapping the CONV backward), so the step adds their maximum and
+    ``S + (M - 1) max(s)`` with ``S = sum(s)`` (``M = 1``: the stages in series). Then each role
+    updates its variables and exchanges its gradients, on disjoint links (:func:`role_exchange`,
+    the exchange term of :func:`predict_step`), so the step adds the slower of the two, and
     ``2 M alpha`` for the boundary messages::
 
-        T(F) = S + (M - 1) max(s) + max(E(C, P_conv, H), E(F, P_fc, H_fc)) + 2 M alpha
+        T(F) = S + (M - 1) max(s) + max(u_conv + E(C, P_conv, H), u_fc + E(F, P_fc, H_fc)) + 2 M alpha
 
     Throughput: ``C b / T(F)`` examples per second.
     """
@@ -121,12 +159,14 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
               "fc_s": m * b * (inp.t_fc + inp.codec_s / 2) / M,
               "wire_out_s": m * b * inp.grad_bytes / inp.beta / M}
     pipe = sum(stages.values()) + (M - 1) * max(stages.values())
-    ex_c = layout_exchange_s(C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.alpha, inp.beta)
-    ex_f = layout_exchange_s(F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.alpha, inp.beta)
-    t = pipe + max(ex_c, ex_f) + 2 * M * inp.alpha
+    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
+    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
+    after = max(inp.t_update_conv + ex_c["exchange_s"], inp.t_update_fc + ex_f["exchange_s"])
+    t = pipe + after + 2 * M * inp.alpha
     return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": m,
-            "stages_per_micro_batch_s": stages, "pipeline_s": pipe, "conv_exchange_s": ex_c,
-            "fc_exchange_s": ex_f, "step_s": t, "examples_per_step": C * b,
+            "stages_per_micro_batch_s": stages, "pipeline_s": pipe, "conv_exchange_s": ex_c["exchange_s"],
+            "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c, "fc_exchange": ex_f,
+            "update_and_exchange_s": after, "step_s": t, "examples_per_step": C * b,
             "throughput": C * b / t if t > 0 else float("inf")}
 
 
@@ -156,7 +196,7 @@ def format_layout_report(report: dict) -> str:
              f"B/example (codec {i['codec_s'] * 1e6:.1f} us/example), link alpha {i['alpha'] * 1e6:.1f} us, "
              f"beta {i['beta'] * 8 / 1e6:.1f} Mbit/s, payload DP {i['dp_payload']:.0f} B ({i['dp_algorithm']}, "
              f"H {i['delay']}), CONV {i['conv_payload']:.0f} B, FC {i['fc_payload']:.0f} B ({i['fc_algorithm']}), "
-             f"M {i['micro_batches']}"]
+             f"M {i['micro_batches']}, Horovod cycle {i.get('cycle_s', 0.0) * 1e3:g} ms"]
     for p in report["predictions"]:
         name = "data parallel" if p["layout"] == "data_parallel" else f"hourglass F={p['fc_workers']}"
         lines.append(f"  {name}: step {p['step_s'] * 1e3:.2f} ms for {p['examples_per_step']} examples, "
@@ -290,6 +330,18 @@ def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Option
                      pairwise=(algorithm != "ring" or k == 2))
 
 
+def horovod_cycle_s() -> float:
+    """Horovod's cycle time in seconds: ``HOROVOD_CYCLE_TIME`` (ms) from the environment, which
+    ``hgsgc.runtime.apply_defaults`` sets where unset, else :data:`EMULATOR` ``["cycle_s"]``."""
+    import os
+
+    v = os.environ.get("HOROVOD_CYCLE_TIME")
+    try:
+        return float(v) / 1e3 if v else EMULATOR["cycle_s"]
+    except ValueError:
+        return EMULATOR["cycle_s"]
+
+
 def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULATOR["cycle_s"],
                    allgathers: int = 0) -> float:
     """Horovod's time per exchange besides the data (docs/benchmarks/step_profile.md): each
@@ -372,7 +424,7 @@ def time_to_target(steps: Optional[int], step_s: float, evals: int = 0, eval_s: 
 
 
 # ------------------------------------------------------------------------------------------
-# Measured inputs and `hgsgc plan`
+# Measured inputs (``hgsgc plan``, hgsgc/plan.py, and the benchmark scripts)
 def _timed_median(fn, reps: int, warmup: int = 2, clock=None) -> float:
     import time
 
@@ -491,128 +543,3 @@ def compression_at(cost: dict, k: int, algorithm: str) -> float:
     ``base_s + costs.exchange_merges(k, algorithm) * per_payload_s`` (``k - 1`` payloads to decode
     and add; ``ceil(log2 k)`` for tree / node)."""
     return cost["base_s"] + costs.exchange_merges(k, algorithm) * cost["per_payload_s"]
-
-
-def plan_candidates(cfg) -> List[Tuple[str, object]]:
-    """``(label, compression)`` pairs ``hgsgc plan`` ranks: the config's own setting, Horovod fp32
-    and fp16, top-k, SGC (delay 1 and 4; allgather and tree), TernGrad, PowerSGD (rank 4) and
-    local SGD (4), with the config's density where it has one."""
-    from hgsgc.compression import Compression
-    from hgsgc.config import compression_from_config
-
-    dens = getattr(cfg.compression, "density", 0.005) or 0.005
-    own = compression_from_config(cfg.compression)
-    cands = [("config", own), ("fp32_allreduce", Compression.none), ("fp16_allreduce", Compression.fp16),
-             ("topk", Compression.topk(density=dens)),
-             ("sgc_d1", Compression.sgc(density=dens, delay=1)),
-             ("sgc_d4", Compression.sgc(density=dens, delay=4)),
-             ("sgc_d4_tree", Compression.sgc(density=dens, delay=4, hierarchy="tree")),
-             ("terngrad", Compression.terngrad()), ("powersgd_r4", Compression.powersgd(rank=4)),
-             ("localsgd_4", Compression.localsgd(4))]
-    return cands
-
-
-def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: int = 5,
-         link: Optional[Link] = None, steps_to_target: Optional[dict] = None, log=None) -> dict:
-    """Rank the methods of :func:`plan_candidates` by predicted step time on ``nodes`` ranks (one
-    per host) with ``bandwidth`` links, for the model and batch of ``cfg`` (an
-    :class:`hgsgc.config.Config`).
-
-    Compute is measured here (or ``compute_s``), compression measured per method
-    (:func:`measure_compression_s`), communication from :func:`exchange_s` on ``link`` (default
-    :func:`link_for` ``(bandwidth)``, the emulator's calibration). ``steps_to_target``:
-    ``{label: steps or None}`` from quality curves, for the time to target.
-
-    Returns:
-        ``{"inputs": {...}, "rows": [...]}``; rows sorted by predicted ``step_s``.
-
-    Raises:
-        ValueError: ``nodes < 1`` or a bad bandwidth.
-    """
-    from hgsgc.models import build_model
-
-    if int(nodes) < 1:
-        raise ValueError(f"--nodes must be >= 1, got {nodes}")
-    link = link or link_for(bandwidth)
-    model = build_model(cfg.model.name, seed=cfg.run.seed)
-    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
-    if compute_s is None:
-        compute_s = measure_compute_s(model, cfg.train.batch_size, reps=max(reps, 3))
-    rows = []
-    for label, comp in plan_candidates(cfg):
-        tr = traffic(comp, shapes)
-        alg = algorithm_of(comp)
-        cost = measure_compression_s(comp, shapes, reps)
-        if log:
-            log(f"plan: measured {label}: compression {cost['base_s'] * 1e3:.1f} ms "
-                f"+ {cost['per_payload_s'] * 1e3:.2f} ms per payload")
-        p = predict_step(compute_s, compression_at(cost, nodes, alg), tr, nodes, link)
-        steps = (steps_to_target or {}).get(label)
-        rows.append({"method": label, "compression": comp.to_dict() if hasattr(comp, "to_dict") else str(comp),
-                     "algorithm": alg, "delay": tr.delay, "payload_bytes": tr.payload_bytes,
-                     "compression_cost": cost, **p,
-                     "steps_to_target": steps,
-                     "time_to_target_s": time_to_target(steps, p["step_s"]) if steps_to_target else None})
-    rows.sort(key=lambda r: r["step_s"])
-    inputs = {"config": cfg.model.name, "batch_size": cfg.train.batch_size, "nodes": int(nodes),
-              "bandwidth_bit_s": parse_rate(bandwidth), "alpha_s": link.alpha_s,
-              "beta_Bps": link.beta_Bps, "bidir_factor": link.bidir_factor,
-              "cycle_s": EMULATOR["cycle_s"], "compute_s": compute_s,
-              "parameters": int(sum(math.prod(s) for s in shapes))}
-    return {"inputs": inputs, "rows": rows}
-
-
-def format_plan(result: dict) -> str:
-    """The plan as text: the inputs, then one line per method, fastest first."""
-    i = result["inputs"]
-    lines = [f"hgsgc plan: {i['config']} ({i['parameters']:,} parameters), batch {i['batch_size']} per rank, "
-             f"{i['nodes']} nodes, link {i['bandwidth_bit_s'] / 1e6:g} Mbit/s (beta {i['beta_Bps'] * 8 / 1e6:.1f} "
-             f"Mbit/s payload, alpha {i['alpha_s'] * 1e6:.0f} us, pairwise factor {i['bidir_factor']:g}), "
-             f"Horovod cycle {i['cycle_s'] * 1e3:g} ms, compute {i['compute_s'] * 1e3:.1f} ms/step (measured here)",
-             f"{'rank':>4} {'method':<16} {'algorithm':<10} {'H':>2} {'payload B':>11} {'compute':>8} "
-             f"{'compress':>9} {'wire':>9} {'coord':>7} {'step ms':>9} {'x best':>7} {'to target':>10}"]
-    best = result["rows"][0]["step_s"] if result["rows"] else 1.0
-    for n, r in enumerate(result["rows"], 1):
-        ttt = r.get("time_to_target_s")
-        ttt = "n/a" if r.get("steps_to_target") is None and ttt is None else (
-            "not reached" if ttt is None else f"{ttt:.0f} s")
-        lines.append(f"{n:>4} {r['method']:<16} {r['algorithm']:<10} {r['delay']:>2} {r['payload_bytes']:>11,} "
-                     f"{r['compute_s'] * 1e3:>8.1f} {r['compression_s'] * 1e3:>9.2f} {r['wire_s'] * 1e3:>9.2f} "
-                     f"{r['coordination_s'] * 1e3:>7.2f} {r['step_s'] * 1e3:>9.1f} {r['step_s'] / best:>7.2f} {ttt:>10}")
-    lines.append("(ms per step; exchange terms divided by the delay H; time to target needs quality curves: "
-                 "--steps-to-target FILE.json)")
-    return "\n".join(lines)
-
-
-def plan_main(args) -> int:
-    """``hgsgc plan CONFIG [overrides] --nodes N --bandwidth B``: print :func:`format_plan`
-    (exit 0), or one line naming the bad input (exit 2)."""
-    import json
-    import os
-    import sys
-
-    from hgsgc.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        rate = parse_rate(args.bandwidth)
-        if args.nodes < 1:
-            raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
-        steps = None
-        if args.steps_to_target:
-            with open(args.steps_to_target) as f:
-                steps = json.load(f)
-            if not isinstance(steps, dict):
-                raise ValueError(f"{args.steps_to_target}: expected a JSON object {{method: steps or null}}")
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"hgsgc plan: {exc}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    link = link_for(rate, bidir_factor=1.0 if args.tuned else None)
-    res = plan(cfg, args.nodes, rate, compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
-               reps=args.reps, link=link, steps_to_target=steps)
-    print(format_plan(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    return 0

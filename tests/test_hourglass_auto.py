@@ -17,14 +17,25 @@ def _inputs(**kw):
     return LayoutInputs(**base)
 
 
+def _coord(k, alpha, cycle=0.0, allgather=False):
+    """Horovod's coordination per exchange (perfmodel.coordination_s): half a cycle + a
+    ceil(log2 k)-message negotiation per collective, ceil(log2 k) more for an allgather's sizes."""
+    lg = math.ceil(math.log2(k)) if k > 1 else 0
+    return 0.0 if k <= 1 else cycle / 2 + lg * alpha + (lg * alpha if allgather else 0.0)
+
+
 def test_data_parallel_formula():
     i = _inputs()
     p = predict_data_parallel(i)
-    ex = (2 * 3 * i.alpha + 2 * 3 / 4 * i.dp_payload / i.beta)
+    ex = (2 * 3 * i.alpha + 2 * 3 / 4 * i.dp_payload / i.beta) + _coord(4, i.alpha)
     assert p["step_s"] == pytest.approx(32 * (i.t_conv + i.t_fc) + ex, rel=1e-12)
     assert p["throughput"] == pytest.approx(4 * 32 / p["step_s"], rel=1e-12)
-    sgc = _inputs(dp_algorithm="allgather", dp_payload=3000.0, delay=4)
-    assert predict_data_parallel(sgc)["exchange_s"] == pytest.approx((3 * sgc.alpha + 3 * 3000 / sgc.beta) / 4)
+    sgc = _inputs(dp_algorithm="allgather", dp_payload=3000.0, delay=4, cycle_s=0.005,
+                  dp_compression_s=2e-3, t_update_conv=1e-4, t_update_fc=3e-4)
+    want = (2e-3 + 3 * sgc.alpha + 3 * 3000 / sgc.beta + _coord(4, sgc.alpha, 0.005, True)) / 4
+    got = predict_data_parallel(sgc)
+    assert got["exchange_s"] == pytest.approx(want, rel=1e-12)
+    assert got["step_s"] == pytest.approx(32 * (sgc.t_conv + sgc.t_fc) + 4e-4 + want, rel=1e-12)
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -34,12 +45,24 @@ def test_hourglass_formula(M):
     b, m = 32, 3
     s = [(b * i.t_conv + b * i.codec_s / 2) / M, m * b * i.act_bytes / i.beta / M,
          m * b * (i.t_fc + i.codec_s / 2) / M, m * b * i.grad_bytes / i.beta / M]
-    ex_c = 2 * 2 * i.alpha + 2 * 2 / 3 * i.conv_payload / i.beta    # ring among C = 3
+    ex_c = 2 * 2 * i.alpha + 2 * 2 / 3 * i.conv_payload / i.beta + _coord(3, i.alpha)  # ring among C = 3
     want = sum(s) + (M - 1) * max(s) + max(ex_c, 0.0) + 2 * M * i.alpha
     assert p["step_s"] == pytest.approx(want, rel=1e-12)
     assert p["throughput"] == pytest.approx(3 * 32 / want, rel=1e-12)
     p2 = predict_hourglass(i, 2)                                      # 2 FC ranks: m = 1, FC ring of 2
-    assert p2["convs_per_fc"] == 1 and p2["fc_exchange_s"] == pytest.approx(2 * i.alpha + i.fc_payload / i.beta)
+    assert p2["convs_per_fc"] == 1 and p2["fc_exchange_s"] == pytest.approx(
+        2 * i.alpha + i.fc_payload / i.beta + _coord(2, i.alpha))
+    # updates, compression and the Horovod cycle: each role's update + exchange, the slower counts
+    j = _inputs(micro_batches=M, cycle_s=0.005, conv_compression_s=1e-3, fc_compression_s=4e-3,
+                t_update_conv=2e-3, t_update_fc=1e-2, fc_algorithm="allgather", fc_payload=5000.0, fc_delay=2)
+    q = predict_hourglass(j, 2)
+    s2 = [(b * j.t_conv + b * j.codec_s / 2) / M, b * j.act_bytes / j.beta / M,        # m = 1
+          b * (j.t_fc + j.codec_s / 2) / M, b * j.grad_bytes / j.beta / M]
+    e_c = 1e-3 + 2 * j.alpha + j.conv_payload / j.beta + _coord(2, j.alpha, 0.005)
+    e_f = (4e-3 + j.alpha + 5000.0 / j.beta + _coord(2, j.alpha, 0.005, True)) / 2
+    want2 = sum(s2) + (M - 1) * max(s2) + max(2e-3 + e_c, 1e-2 + e_f) + 2 * M * j.alpha
+    assert q["step_s"] == pytest.approx(want2, rel=1e-12)
+    assert predict_hourglass(j, 1)["fc_exchange_s"] == 0.0          # a lone FC rank exchanges nothing
 
 
 def test_choice_follows_the_model():

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hgsgc import costs  # noqa: E402
 from hgsgc import perfmodel as pm  # noqa: E402
+from hgsgc import plan as plan_mod  # noqa: E402
 
 
 @pytest.mark.parametrize("text,bits", [("10gbit", 1e10), ("100mbit", 1e8), ("1.5gbit", 1.5e9),
@@ -158,21 +159,32 @@ def test_plan_cli_ranks_every_candidate(tmp_path):
 
     res = json.loads(out.read_text())
     labels = [row["method"] for row in res["rows"]]
-    assert sorted(labels) == sorted(lab for lab, _ in _candidates())
-    steps = [row["step_s"] for row in res["rows"]]
-    assert steps == sorted(steps)
+    # every method data-parallel, and the Hourglass (tiny has a conv/FC boundary) for F = 1, 2
+    assert sorted(labels) == sorted([lab for lab, _ in _candidates()] + ["hourglass_F1", "hourglass_F2"])
+    per_nb = [row["s_per_global_batch"] for row in res["rows"]]
+    assert per_nb == sorted(per_nb)
     assert res["inputs"]["compute_s"] == pytest.approx(0.005) and res["inputs"]["nodes"] == 4
+    hi = pm.LayoutInputs(**res["hourglass_inputs"])
     for row in res["rows"]:  # each prediction is the model applied to the recorded inputs
-        assert row["compute_s"] == pytest.approx(0.005)
-        assert row["step_s"] == pytest.approx(row["compute_s"] + row["compression_s"] + row["wire_s"]
-                                              + row["coordination_s"])
-    assert "hgsgc plan: tiny" in r.stdout and labels[0] in r.stdout
+        if row["layout"] == "data_parallel":
+            assert row["compute_s"] == pytest.approx(0.005) and row["examples_per_step"] == 4 * 32
+            assert row["step_s"] == pytest.approx(row["compute_s"] + row["compression_s"] + row["wire_s"]
+                                                  + row["coordination_s"])
+        else:
+            F = row["fc_workers"]
+            again = pm.predict_hourglass(plan_mod.inputs_for(hi, F, res["hourglass"]["conv_compression_cost"],
+                                                             res["hourglass"]["fc_compression_cost"]), F)
+            assert row["step_s"] == pytest.approx(again["step_s"], rel=1e-12)
+            assert row["examples_per_step"] == (4 - F) * 32
+            assert row["s_per_global_batch"] == pytest.approx(row["step_s"] * 4 / (4 - F), rel=1e-12)
+    assert res["hourglass"]["act_codec"] == "fp32" and hi.act_bytes == 4 * res["hourglass"]["features"] + 4
+    assert "hgsgc plan: tiny" in r.stdout and labels[0] in r.stdout and "hourglass inputs: split at" in r.stdout
 
 
 def _candidates():
     from hgsgc.config import load_config
 
-    return pm.plan_candidates(load_config(os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"),
+    return plan_mod.plan_candidates(load_config(os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"),
                                           ["model.name=tiny"]))
 
 
@@ -232,7 +244,7 @@ def test_pinned_traffic_and_step_predictions():
     cfg = load_config(os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"), [])
     cost = {"base_s": 3e-3, "per_payload_s": 2e-4}
     seen = set()
-    for label, setting in pm.plan_candidates(cfg):
+    for label, setting in plan_mod.plan_candidates(cfg):
         tr = pm.traffic(setting, SHAPES)
         want = _want_traffic(setting, SHAPES)
         assert tr.collectives == want and tr.delay == setting.delay, label
@@ -263,15 +275,84 @@ def test_pinned_layout_predictions():
                           conv_algorithm="allgather", fc_algorithm="ring", delay=2, fc_delay=1,
                           micro_batches=4)
     link = pm.Link(inp.alpha, inp.beta)
+    # the exchange terms are predict_step's: wire + Horovod coordination (cycle 0 here: the
+    # ceil(log2 k)-message negotiation per collective, twice that for an allgather)
+    coord = lambda k, ag=False: 0.0 if k <= 1 else costs.allgather_rounds(k) * 1e-4 * (2 if ag else 1)  # noqa: E731
     dp = pm.predict_data_parallel(inp)
-    assert dp["step_s"] == pytest.approx(16 * 2.5e-3 + _want_exchange(6, 2.5e6, "tree", link) / 2, rel=1e-12)
+    assert dp["step_s"] == pytest.approx(16 * 2.5e-3 + (_want_exchange(6, 2.5e6, "tree", link) + coord(6)) / 2,
+                                         rel=1e-12)
     for F in (1, 2, 3):
         C, M = 6 - F, 4
         m = -(-C // F)
         s = [(16 * 2e-3 + 16 * 1e-5) / M, m * 16 * 1200 / 1.2e7 / M, m * 16 * (5e-4 + 1e-5) / M,
              m * 16 * 1024 / 1.2e7 / M]
-        ex = max(_want_exchange(C, 9000.0, "allgather", link) / 2, _want_exchange(F, 2.4e6, "ring", link))
+        ex = max((_want_exchange(C, 9000.0, "allgather", link) + coord(C, True)) / 2,
+                 _want_exchange(F, 2.4e6, "ring", link) + coord(F))
         want = sum(s) + (M - 1) * max(s) + ex + 2 * M * 1e-4
         got = pm.predict_hourglass(inp, F)
         assert got["step_s"] == pytest.approx(want, rel=1e-12), F
         assert got["throughput"] == pytest.approx(C * 16 / want, rel=1e-12), F
+
+
+def test_plan_ranks_methods_and_layouts_by_the_model():
+    """hgsgc plan's ranking on fixed inputs: every row's value from the formulas by hand (ring /
+    allgather wire, Horovod coordination, GPipe pipeline), the order by seconds per N b examples."""
+    from hgsgc.compression import Compression
+
+    n, b, alpha, beta, cyc = 4, 32, 2.5e-4, 1.25e6, 0.005          # 10 Mbit/s, emulator alpha
+    link = pm.Link(alpha, beta, 0.5)
+    conv_shapes, fc_shapes = SHAPES[:2], SHAPES[2:]
+    d_conv, d_fc = (sum(math.prod(s) for s in x) for x in (conv_shapes, fc_shapes))
+    sgc = Compression.sgc(density=0.01)
+    cost = {"base_s": 4e-3, "per_payload_s": 1e-3}
+    compute = 0.05
+    rows = [plan_mod.method_row("fp32", Compression.none, SHAPES, n, link, compute, {"base_s": 0.0, "per_payload_s": 0.0}, cyc),
+            plan_mod.method_row("sgc", sgc, SHAPES, n, link, compute, cost, cyc)]
+    # by hand: fp32 ring of 4 (d_conv + d_fc) bytes; SGC allgather of its payload P (3 messages,
+    # pairwise at beta / 2, sizes exchanged first), 3 payloads decoded
+    dense = 4 * (d_conv + d_fc)
+    want_fp32 = compute + 6 * alpha + 1.5 * dense / beta + (cyc / 2 + 2 * alpha)
+    P = sgc.payload_bytes(SHAPES)
+    want_sgc = compute + (4e-3 + 3e-3) + 3 * alpha + 3 * P / (beta / 2) + (cyc / 2 + 4 * alpha)
+    assert rows[0]["step_s"] == pytest.approx(want_fp32, rel=1e-12)
+    assert rows[1]["step_s"] == pytest.approx(want_sgc, rel=1e-12)
+    # the Hourglass inputs of the same setting: the update (compute - b (t_conv + t_fc)) split by parameters
+    t_conv, t_fc = 5e-4, 2e-4
+    u = compute - b * (t_conv + t_fc)
+    inp = pm.LayoutInputs(world_size=n, batch_size=b, t_conv=t_conv, t_fc=t_fc, act_bytes=100.0, grad_bytes=96.0,
+                          codec_s=0.0, alpha=alpha, beta=beta, bidir_factor=0.5, cycle_s=cyc,
+                          dp_payload=float(P), conv_payload=float(sgc.payload_bytes(conv_shapes)),
+                          fc_payload=float(4 * d_fc), dp_algorithm="allgather", conv_algorithm="allgather",
+                          fc_algorithm="ring", micro_batches=2, dp_compression_s=4e-3 + 3e-3,
+                          t_update_conv=u * d_conv / (d_conv + d_fc), t_update_fc=u * d_fc / (d_conv + d_fc))
+    # one model: data parallelism predicted from the Hourglass inputs is the SGC row
+    assert pm.predict_data_parallel(inp)["step_s"] == pytest.approx(want_sgc, rel=1e-12)
+    conv_cost, fc_cost = {"base_s": 1e-3, "per_payload_s": 5e-4}, {"base_s": 0.0, "per_payload_s": 0.0}
+    at = lambda F: plan_mod.inputs_for(inp, F, conv_cost, fc_cost)  # noqa: E731
+    fcs = plan_mod.fc_workers_to_list(at, n)
+    assert fcs == [1, 2]
+    want_h = {}
+    for F in fcs:
+        C, M = n - F, 2
+        m = -(-C // F)
+        st = [b * t_conv / M, m * b * 100.0 / beta / M, m * b * t_fc / M, m * b * 96.0 / beta / M]
+        Pc = inp.conv_payload
+        e_c = 1e-3 + (C - 1) * 5e-4 + (C - 1) * alpha + (C - 1) * Pc / (beta / 2) + cyc / 2 + 2 * math.ceil(
+            math.log2(C)) * alpha
+        e_f = 0.0 if F == 1 else (2 * alpha + 4 * d_fc / (beta / 2) + cyc / 2 + alpha)   # ring of 2: pairwise
+        want_h[F] = sum(st) + (M - 1) * max(st) + max(inp.t_update_conv + e_c, inp.t_update_fc + e_f) + 2 * M * alpha
+        rows.append(plan_mod.hourglass_row(at(F), F, "sgc"))
+        assert rows[-1]["step_s"] == pytest.approx(want_h[F], rel=1e-12), F
+    ranked = plan_mod.rank_rows(rows, n, b, steps_to_target={"sgc": 1000, "hourglass_F1": None})
+    per_nb = {"fp32": want_fp32, "sgc": want_sgc, "hourglass_F1": want_h[1] * 4 / 3, "hourglass_F2": want_h[2] * 4 / 2}
+    assert [r["method"] for r in ranked] == sorted(per_nb, key=per_nb.get)
+    for r in ranked:
+        assert r["s_per_global_batch"] == pytest.approx(per_nb[r["method"]], rel=1e-12)
+    by = {r["method"]: r for r in ranked}
+    assert by["sgc"]["time_to_target_s"] == pytest.approx(1000 * want_sgc, rel=1e-12)
+    assert by["hourglass_F1"]["time_to_target_s"] is None and by["fp32"]["steps_to_target"] is None
+    text = plan_mod.format_plan({"inputs": {"config": "fixed", "parameters": d_conv + d_fc, "batch_size": b,
+                                            "nodes": n, "bandwidth_bit_s": 1e7, "beta_Bps": beta, "alpha_s": alpha,
+                                            "bidir_factor": 0.5, "cycle_s": cyc, "compute_s": compute},
+                                 "hourglass": {"reason": "fixed inputs"}, "hourglass_inputs": None, "rows": ranked})
+    assert text.splitlines()[3].split()[1] == ranked[0]["method"]

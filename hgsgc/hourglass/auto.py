@@ -19,8 +19,13 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   compression; Hourglass: the trunk with it, the head with ``hourglass.fc_method``) from
   :func:`hgsgc.compression.codec.exchange_payload_bytes`.
 
+* Horovod's cycle time (``HOROVOD_CYCLE_TIME``, :func:`hgsgc.perfmodel.horovod_cycle_s`) for the
+  coordination of each gradient exchange. Not measured here (0 in the model): the compression
+  cost of the exchanges and the optimizer updates (``hgsgc plan`` measures both).
+
 The predictions are :func:`hgsgc.perfmodel.predict_data_parallel` and
-:func:`hgsgc.perfmodel.predict_hourglass` (the one performance model of the project); the
+:func:`hgsgc.perfmodel.predict_hourglass` (the one performance model of the project, also used
+by ``hgsgc plan``); the
 choice is the highest predicted throughput (examples per second; the Hourglass trains
 ``C b`` examples per step, data parallelism ``n b``). Rank 0 decides and broadcasts, logs the
 inputs, every prediction and the choice, and they are written to ``summary.json`` under
@@ -165,7 +170,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
             fc_payload=float(exchange_payload_bytes(fcc, fc_shapes)),
             dp_algorithm=perfmodel.algorithm_of(cc), conv_algorithm=perfmodel.algorithm_of(cc),
             fc_algorithm=perfmodel.algorithm_of(fcc), delay=int(cc.delay), fc_delay=int(fcc.delay),
-            micro_batches=int(h.micro_batches))
+            micro_batches=int(h.micro_batches), cycle_s=perfmodel.horovod_cycle_s())
         report = perfmodel.choose_layout(inputs)
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"]}
     report = comm.bcast(report, root=0)

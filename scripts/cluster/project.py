@@ -42,6 +42,7 @@ def main(argv=None):
     from hgsgc import perfmodel as pm
     from hgsgc.config import load_config
     from hgsgc.models import build_model
+    from hgsgc.plan import plan_candidates
 
     with open("/proc/loadavg") as f:
         load0 = f.read().split()[:3]
@@ -51,7 +52,7 @@ def main(argv=None):
     clock = time.process_time
     compute = pm.measure_compute_s(model, cfg.train.batch_size, reps=max(args.reps, 5), clock=clock)
     methods = []
-    for label, comp in pm.plan_candidates(cfg):
+    for label, comp in plan_candidates(cfg):
         if label == "config":
             continue
         cost = pm.measure_compression_s(comp, shapes, reps=args.reps, clock=clock)

@@ -1,0 +1,316 @@
+"""``hgsgc plan CONFIG --nodes N --bandwidth B``: methods AND layouts ranked by the performance model.
+
+For the model and per-rank batch ``b`` of ``CONFIG`` on ``N`` ranks (one per host) whose links run
+at ``B``, it predicts with :mod:`hgsgc.perfmodel` (the one model of the project):
+
+* **data parallelism** with each method of :func:`plan_candidates`:
+  :func:`hgsgc.perfmodel.predict_step` (measured compute step, measured compression cost, the
+  collectives of ``setting``'s traffic, Horovod's coordination);
+* **the Hourglass layout** (when the model has a conv/FC boundary, :func:`hgsgc.hourglass.split.split_model`)
+  with the configured gradient compression on the CONV ranks, ``hourglass.fc_method`` among the
+  FC ranks, the configured boundary codecs, for ``fc_workers`` 1 .. 4 and the model's best
+  ``F`` in ``1 .. N/2``: :func:`hgsgc.perfmodel.predict_hourglass`, the function ``layout: auto``
+  runs, on :class:`hgsgc.perfmodel.LayoutInputs` measured here like ``layout: auto`` measures
+  them (:func:`hgsgc.hourglass.auto.measure`; boundary bytes by
+  :func:`hgsgc.hourglass.costmodel.boundary_bytes`), with the link of the plan instead of a probe.
+
+The Hourglass trains ``C b`` examples per step (``C = N - F`` CONV ranks), data parallelism
+``N b``, so rows are ranked by the predicted seconds per ``N b`` examples (for data parallelism:
+the step time). The time to target needs quality curves (``--steps-to-target FILE.json``:
+``{label: steps or null}``, steps at the row's own global batch).
+
+Same compute on both sides: the optimizer update, ``u = compute step - b (t_conv + t_fc)``
+(clamped at 0), is split between trunk and head by their parameter counts (an SGD update costs
+per parameter), so :func:`hgsgc.perfmodel.predict_data_parallel` of the Hourglass inputs equals
+the data-parallel row of the configured method (tested).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+from hgsgc import perfmodel as pm
+
+#: fc_workers always listed (within 1 .. N/2); the model's best F is added when not among them.
+PLAN_FC_WORKERS = (1, 2, 3, 4)
+
+
+def plan_candidates(cfg) -> List[Tuple[str, object]]:
+    """``(label, compression)`` pairs ``hgsgc plan`` ranks: the config's own setting, Horovod fp32
+    and fp16, top-k, SGC (delay 1 and 4; allgather and tree), TernGrad, PowerSGD (rank 4) and
+    local SGD (4), with the config's density where it has one."""
+    from hgsgc.compression import Compression
+    from hgsgc.config import compression_from_config
+
+    dens = getattr(cfg.compression, "density", 0.005) or 0.005
+    own = compression_from_config(cfg.compression)
+    return [("config", own), ("fp32_allreduce", Compression.none), ("fp16_allreduce", Compression.fp16),
+            ("topk", Compression.topk(density=dens)),
+            ("sgc_d1", Compression.sgc(density=dens, delay=1)),
+            ("sgc_d4", Compression.sgc(density=dens, delay=4)),
+            ("sgc_d4_tree", Compression.sgc(density=dens, delay=4, hierarchy="tree")),
+            ("terngrad", Compression.terngrad()), ("powersgd_r4", Compression.powersgd(rank=4)),
+            ("localsgd_4", Compression.localsgd(4))]
+
+
+def method_row(label: str, setting, shapes, nodes: int, link: pm.Link, compute_s: float, cost: dict,
+               cycle_s: float) -> dict:
+    """One data-parallel row: :func:`hgsgc.perfmodel.predict_step` of ``setting`` on ``nodes`` ranks
+    (``cost``: :func:`hgsgc.perfmodel.measure_compression_s`'s ``{"base_s", "per_payload_s"}``)."""
+    tr = pm.traffic(setting, shapes)
+    alg = pm.algorithm_of(setting)
+    p = pm.predict_step(compute_s, pm.compression_at(cost, nodes, alg), tr, nodes, link, cycle_s=cycle_s)
+    return {"layout": "data_parallel", "fc_workers": None, "method": label,
+            "compression": setting.to_dict() if hasattr(setting, "to_dict") else str(setting),
+            "algorithm": alg, "delay": tr.delay, "payload_bytes": tr.payload_bytes,
+            "compression_cost": cost, **p, "examples_per_step": None}
+
+
+def hourglass_row(inp: pm.LayoutInputs, fc_workers: int, method: str) -> dict:
+    """One Hourglass row: :func:`hgsgc.perfmodel.predict_hourglass` ``(inp, F)``; the exchange
+    columns are the slower role's (its update + exchange decides the step)."""
+    h = pm.predict_hourglass(inp, fc_workers)
+    slow = "conv" if (inp.t_update_conv + h["conv_exchange_s"]
+                      >= inp.t_update_fc + h["fc_exchange_s"]) else "fc"
+    ex = h[f"{slow}_exchange"]
+    return {"layout": "hourglass", "fc_workers": fc_workers, "method": f"hourglass_F{fc_workers}",
+            "compression": method, "algorithm": f"{inp.conv_algorithm}/{inp.fc_algorithm}",
+            "delay": inp.delay, "payload_bytes": int(round(inp.conv_payload)),
+            "compute_s": h["pipeline_s"], "compression_s": ex["compression_s"], "wire_s": ex["wire_s"],
+            "coordination_s": ex["coordination_s"], "step_s": h["step_s"], "slower_role": slow,
+            "examples_per_step": h["examples_per_step"], "prediction": h}
+
+
+def fc_workers_to_list(inputs_at, nodes: int) -> List[int]:
+    """``PLAN_FC_WORKERS`` within ``1 .. N/2``, plus the best ``F`` over ``1 .. N/2`` by
+    :func:`hgsgc.perfmodel.predict_hourglass` ``(inputs_at(F), F)`` (highest throughput, ties to
+    fewer FC ranks, as :func:`hgsgc.perfmodel.choose_layout`) when it is not among them."""
+    fcs = [F for F in PLAN_FC_WORKERS if F <= nodes // 2]
+    best = None
+    for F in range(1, nodes // 2 + 1):
+        p = pm.predict_hourglass(inputs_at(F), F)
+        if best is None or p["throughput"] > best["throughput"] * (1 + 1e-9):
+            best = p
+    if best is not None and best["fc_workers"] not in fcs:
+        fcs.append(best["fc_workers"])
+    return fcs
+
+
+def rank_rows(rows: Sequence[dict], nodes: int, batch_size: int,
+              steps_to_target: Optional[dict] = None) -> List[dict]:
+    """Add ``s_per_global_batch`` (predicted seconds per ``nodes * batch_size`` examples: the step
+    time scaled by ``N b / examples_per_step``; data parallelism: the step), ``steps_to_target``
+    and ``time_to_target_s`` (:func:`hgsgc.perfmodel.time_to_target`, None without a curve or
+    when not reached) to each row; return them fastest first."""
+    nb = nodes * batch_size
+    out = []
+    for r in rows:
+        r = dict(r)
+        eps = r.get("examples_per_step") or nb
+        r["examples_per_step"] = eps
+        r["s_per_global_batch"] = r["step_s"] * nb / eps
+        steps = (steps_to_target or {}).get(r["method"])
+        r["steps_to_target"] = steps
+        r["time_to_target_s"] = (pm.time_to_target(steps, r["step_s"])
+                                 if steps_to_target and r["method"] in steps_to_target else None)
+        out.append(r)
+    out.sort(key=lambda r: r["s_per_global_batch"])
+    return out
+
+
+def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, compute_s: float,
+                     reps: int, dp_cost: dict, log=None) -> Tuple[Optional[pm.LayoutInputs], dict]:
+    """Measure the :class:`hgsgc.perfmodel.LayoutInputs` of ``cfg``'s Hourglass layout on ``nodes``
+    ranks (one process, a random batch; the link is the plan's).
+
+    Returns:
+        ``(inputs or None, info)``; ``info["reason"]`` says why there is no Hourglass layout
+        (no conv/FC boundary, one node), else it holds the split, codecs, activation density and
+        the measured compression costs of the CONV and FC exchanges (``conv_compression_cost``,
+        ``fc_compression_cost``; :func:`inputs_for` puts them into the inputs for each ``F``).
+    """
+    from hgsgc.config import compression_from_config, fc_compression_from_config
+    from hgsgc.hourglass import auto
+    from hgsgc.hourglass.costmodel import configured_codecs
+    from hgsgc.hourglass.split import SplitError, split_model
+
+    if nodes < 2:
+        return None, {"reason": "one node: no Hourglass layout"}
+    try:
+        split = split_model(model, cfg.hourglass.split_layer)
+    except SplitError as exc:
+        return None, {"reason": f"no conv/FC boundary: {exc}"}
+    h = cfg.hourglass
+    b = int(cfg.train.batch_size)
+    act, grad = configured_codecs(h)
+    x, _ = pm._random_batch(model, b)
+    meas = auto.measure(split, x.numpy(), act, grad, repeats=max(1, reps), micro_batches=int(h.micro_batches))
+    cc, fcc = compression_from_config(cfg.compression), fc_compression_from_config(cfg)
+    conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
+    fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
+    conv_cost = pm.measure_compression_s(cc, conv_shapes, reps)
+    fc_cost = pm.measure_compression_s(fcc, fc_shapes, reps)
+    d_conv = sum(math.prod(s) for s in conv_shapes)
+    d_fc = sum(math.prod(s) for s in fc_shapes)
+    update = max(0.0, compute_s - b * (meas["t_conv"] + meas["t_fc"]))
+    inp = pm.LayoutInputs(
+        world_size=int(nodes), batch_size=b, t_conv=meas["t_conv"], t_fc=meas["t_fc"],
+        act_bytes=meas["act_bytes"], grad_bytes=meas["grad_bytes"], codec_s=meas["codec_s"],
+        alpha=link.alpha_s, beta=link.beta_Bps, bidir_factor=link.bidir_factor, cycle_s=cycle_s,
+        dp_payload=float(cc.payload_bytes(conv_shapes + fc_shapes)),
+        conv_payload=float(cc.payload_bytes(conv_shapes)), fc_payload=float(fcc.payload_bytes(fc_shapes)),
+        dp_algorithm=cc.algorithm, conv_algorithm=cc.algorithm, fc_algorithm=fcc.algorithm,
+        delay=int(cc.delay), fc_delay=int(fcc.delay), micro_batches=int(h.micro_batches),
+        dp_compression_s=pm.compression_at(dp_cost, nodes, cc.algorithm),
+        t_update_conv=update * d_conv / (d_conv + d_fc), t_update_fc=update * d_fc / (d_conv + d_fc))
+    info = {"split_layer": split.boundary_layer,
+            "features": int(split.features), "act_codec": act.name, "grad_codec": grad.name,
+            "density_of_nonzero_activations": meas["density"], "conv_compression_cost": conv_cost,
+            "fc_compression_cost": fc_cost, "fc_method": h.fc_method,
+            "update_s": update, "update_split": "by parameter count",
+            "compute_minus_stages_s": compute_s - b * (meas["t_conv"] + meas["t_fc"])}
+    if log:
+        log(f"plan: measured hourglass stages: t_conv {meas['t_conv'] * 1e6:.1f} us/example, "
+            f"t_fc {meas['t_fc'] * 1e6:.1f} us/example, boundary {meas['act_bytes']:.0f} + "
+            f"{meas['grad_bytes']:.0f} B/example")
+    return inp, info
+
+
+def inputs_for(inp: pm.LayoutInputs, fc_workers: int, conv_cost: dict, fc_cost: dict) -> pm.LayoutInputs:
+    """``inp`` with the CONV / FC compression costs of the exchanges among ``N - F`` / ``F`` ranks
+    (:func:`hgsgc.perfmodel.compression_at`: they grow with the ranks of each exchange)."""
+    import dataclasses
+
+    n = inp.world_size
+    return dataclasses.replace(
+        inp, conv_compression_s=pm.compression_at(conv_cost, n - fc_workers, inp.conv_algorithm),
+        fc_compression_s=pm.compression_at(fc_cost, fc_workers, inp.fc_algorithm))
+
+
+def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: int = 5,
+         link: Optional[pm.Link] = None, steps_to_target: Optional[dict] = None, log=None,
+         cycle_s: float = pm.EMULATOR["cycle_s"]) -> dict:
+    """Rank the methods of :func:`plan_candidates` (data parallel) and the Hourglass layouts on
+    ``nodes`` ranks (one per host) with ``bandwidth`` links, for the model and batch of ``cfg``
+    (an :class:`hgsgc.config.Config`); see the module docstring.
+
+    Compute is measured here (or ``compute_s``), compression measured per method
+    (:func:`hgsgc.perfmodel.measure_compression_s`), communication on ``link`` (default
+    :func:`hgsgc.perfmodel.link_for` ``(bandwidth)``, the emulator's calibration).
+
+    Returns:
+        ``{"inputs": {...}, "hourglass_inputs": {...} or None, "hourglass": {...}, "rows": [...]}``;
+        rows sorted by ``s_per_global_batch``.
+
+    Raises:
+        ValueError: ``nodes < 1`` or a bad bandwidth.
+    """
+    from hgsgc.models import build_model
+
+    if int(nodes) < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    link = link or pm.link_for(bandwidth)
+    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
+    if compute_s is None:
+        compute_s = pm.measure_compute_s(model, cfg.train.batch_size, reps=max(reps, 3))
+    rows, costs_by_label = [], {}
+    for label, comp in plan_candidates(cfg):
+        cost = pm.measure_compression_s(comp, shapes, reps)
+        costs_by_label[label] = cost
+        if log:
+            log(f"plan: measured {label}: compression {cost['base_s'] * 1e3:.1f} ms "
+                f"+ {cost['per_payload_s'] * 1e3:.2f} ms per payload")
+        rows.append(method_row(label, comp, shapes, nodes, link, compute_s, cost, cycle_s))
+    inp, info = hourglass_inputs(cfg, model, int(nodes), link, cycle_s, compute_s, reps,
+                                 costs_by_label["config"], log)
+    if inp is not None:
+        at = lambda F: inputs_for(inp, F, info["conv_compression_cost"], info["fc_compression_cost"])  # noqa: E731
+        for F in fc_workers_to_list(at, int(nodes)):
+            rows.append(hourglass_row(at(F), F, _method_name(cfg)))
+    inputs = {"config": cfg.model.name, "batch_size": cfg.train.batch_size, "nodes": int(nodes),
+              "bandwidth_bit_s": pm.parse_rate(bandwidth), "alpha_s": link.alpha_s,
+              "beta_Bps": link.beta_Bps, "bidir_factor": link.bidir_factor,
+              "cycle_s": cycle_s, "compute_s": compute_s,
+              "parameters": int(sum(math.prod(s) for s in shapes))}
+    return {"inputs": inputs, "hourglass_inputs": inp.to_dict() if inp is not None else None,
+            "hourglass": info, "rows": rank_rows(rows, int(nodes), cfg.train.batch_size, steps_to_target)}
+
+
+def _method_name(cfg) -> str:
+    c = cfg.compression
+    return str(getattr(c, "method", "config"))
+
+
+def format_plan(result: dict) -> str:
+    """The plan as text: the inputs (of both layouts), then one line per row, fastest first."""
+    i = result["inputs"]
+    lines = [f"hgsgc plan: {i['config']} ({i['parameters']:,} parameters), batch {i['batch_size']} per rank, "
+             f"{i['nodes']} nodes, link {i['bandwidth_bit_s'] / 1e6:g} Mbit/s (beta {i['beta_Bps'] * 8 / 1e6:.1f} "
+             f"Mbit/s payload, alpha {i['alpha_s'] * 1e6:.0f} us, pairwise factor {i['bidir_factor']:g}), "
+             f"Horovod cycle {i['cycle_s'] * 1e3:g} ms, compute {i['compute_s'] * 1e3:.1f} ms/step"]
+    h, hi = result.get("hourglass") or {}, result.get("hourglass_inputs")
+    if hi is None:
+        lines.append(f"hourglass: not ranked ({h.get('reason', 'no inputs')})")
+    else:
+        lines.append(
+            f"hourglass inputs: split at {h['split_layer']} ({h['features']} features), "
+            f"act_codec {h['act_codec']} {hi['act_bytes']:.1f} B/example (labels incl.), grad_codec "
+            f"{h['grad_codec']} {hi['grad_bytes']:.1f} B/example (non-zero activations "
+            f"{h['density_of_nonzero_activations']:.3f}), codec {hi['codec_s'] * 1e6:.1f} us/example, "
+            f"t_conv {hi['t_conv'] * 1e6:.1f} us/example, t_fc {hi['t_fc'] * 1e6:.1f} us/example, "
+            f"update {h['update_s'] * 1e3:.2f} ms/step split by parameters, M {hi['micro_batches']}, "
+            f"CONV exchange {hi['conv_payload']:.0f} B {hi['conv_algorithm']} H {hi['delay']}, FC exchange {h['fc_method']} "
+            f"{hi['fc_payload']:.0f} B {hi['fc_algorithm']} H {hi['fc_delay']}")
+    lines.append(f"{'rank':>4} {'layout / method':<20} {'algorithm':<15} {'H':>2} {'payload B':>11} {'compute':>8} "
+                 f"{'compress':>9} {'wire':>9} {'coord':>7} {'step ms':>9} {'ex/step':>7} {'ms/(N b)':>9} "
+                 f"{'x best':>7} {'to target':>10}")
+    best = result["rows"][0]["s_per_global_batch"] if result["rows"] else 1.0
+    for n, r in enumerate(result["rows"], 1):
+        ttt = r.get("time_to_target_s")
+        ttt = "n/a" if r.get("steps_to_target") is None and ttt is None else (
+            "not reached" if ttt is None else f"{ttt:.0f} s")
+        name = r["method"] if r["layout"] == "data_parallel" else f"{r['method']} ({r['compression']})"
+        lines.append(f"{n:>4} {name:<20} {r['algorithm']:<15} {r['delay']:>2} {r['payload_bytes']:>11,} "
+                     f"{r['compute_s'] * 1e3:>8.1f} {r['compression_s'] * 1e3:>9.2f} {r['wire_s'] * 1e3:>9.2f} "
+                     f"{r['coordination_s'] * 1e3:>7.2f} {r['step_s'] * 1e3:>9.1f} {r['examples_per_step']:>7} "
+                     f"{r['s_per_global_batch'] * 1e3:>9.1f} {r['s_per_global_batch'] / best:>7.2f} {ttt:>10}")
+    lines.append("(ms; exchange terms divided by the delay H. Ranked by ms per N b examples: the Hourglass "
+                 "trains (N - F) b per step. Hourglass rows: compute = the GPipe pipeline (trunk, head, codecs, "
+                 "boundary wire), exchange columns = the slower role's; the step adds that role's update and "
+                 "2 M alpha. Time to target needs quality curves: --steps-to-target FILE.json)")
+    return "\n".join(lines)
+
+
+def plan_main(args) -> int:
+    """``hgsgc plan CONFIG [overrides] --nodes N --bandwidth B``: print :func:`format_plan`
+    (exit 0), or one line naming the bad input (exit 2)."""
+    import json
+    import os
+    import sys
+
+    from hgsgc.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        rate = pm.parse_rate(args.bandwidth)
+        if args.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+        steps = None
+        if args.steps_to_target:
+            with open(args.steps_to_target) as f:
+                steps = json.load(f)
+            if not isinstance(steps, dict):
+                raise ValueError(f"{args.steps_to_target}: expected a JSON object {{method: steps or null}}")
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"hgsgc plan: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    link = pm.link_for(rate, bidir_factor=1.0 if args.tuned else None)
+    res = plan(cfg, args.nodes, rate, compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
+               reps=args.reps, link=link, steps_to_target=steps, cycle_s=pm.horovod_cycle_s())
+    print(format_plan(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
