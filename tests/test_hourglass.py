@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, exchange_bytes, stage_times
+from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, exchange_bytes, layout_inputs, stage_times
 from hgsgc.hourglass.layout import LayoutError, check_fc_workers, plan_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,15 +152,26 @@ def test_cost_model_balances_the_stages():
 
 
 def test_cost_model_formula():
+    """fc_workers: auto predicts with hgsgc.perfmodel.predict_hourglass (the one model): the
+    GPipe pipeline of trunk, boundary and head, then the slower role's exchange (wire +
+    Horovod's negotiation, alpha 0 here, and half a cycle)."""
     inp = _inputs(t_conv=2e-3, t_fc=5e-4, batch_size=10, act_bytes=100.0, grad_bytes=96.0,
                   conv_payload=1000.0, fc_payload=4000.0, bandwidth=1e6, conv_exchange="allgather",
-                  conv_delay=2)
+                  conv_delay=2, codec_s=1e-5, micro_batches=2, cycle_s=0.004)
     t = stage_times(inp, 5, 2)  # C = 3, m = 2
     assert t["conv_workers"] == 3 and t["convs_per_fc"] == 2
-    conv = 10 * 2e-3 + 10 * 196 / 1e6 + (3 - 1) * 1000 / 2 / 1e6
-    fc = 2 * 10 * 5e-4 + 2 * 10 * 196 / 1e6 + 2 * (2 - 1) / 2 * 4000 / 1e6
-    assert math.isclose(t["T_conv_s"], conv) and math.isclose(t["T_fc_s"], fc)
-    assert math.isclose(t["throughput"], 30 / max(conv, fc))
+    M = 2
+    st = [(10 * 2e-3 + 10 * 1e-5 / 2) / M, 2 * 10 * 100 / 1e6 / M, 2 * 10 * (5e-4 + 1e-5 / 2) / M,
+          2 * 10 * 96 / 1e6 / M]
+    conv = ((3 - 1) * 1000 / 1e6 + 0.004 / 2) / 2           # allgather among 3, delay 2
+    fc = 2 * (2 - 1) / 2 * 4000 / 1e6 + 0.004 / 2           # ring among 2
+    want = sum(st) + (M - 1) * max(st) + max(conv, fc)
+    assert math.isclose(t["T_step_s"], want, rel_tol=1e-12)
+    assert math.isclose(t["conv_exchange_s"], conv, rel_tol=1e-12) and math.isclose(t["fc_exchange_s"], fc, rel_tol=1e-12)
+    assert math.isclose(t["throughput"], 30 / want, rel_tol=1e-12)
+    from hgsgc import perfmodel
+
+    assert t["step_s"] == perfmodel.predict_hourglass(layout_inputs(inp, 5), 2)["step_s"]
     assert exchange_bytes(1, 123.0, "allgather") == 0.0
     assert exchange_bytes(4, 100.0, "ring") == 150.0 and exchange_bytes(4, 100.0, "allgather", 3) == 100.0
     # tree: the busiest rank of hgsgc.hierarchy's schedule

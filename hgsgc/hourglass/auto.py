@@ -92,7 +92,7 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro
     import tensorflow as tf
 
     from hgsgc.hourglass.boundary import BoundaryCodec
-    from hgsgc.hourglass.costmodel import boundary_bytes, median_seconds, stage_passes
+    from hgsgc.hourglass.costmodel import boundary_bytes, codec_seconds, median_seconds, stage_passes
 
     ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
     trunk, head = split.trunk, split.head
@@ -107,22 +107,7 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro
     a_t = tf.constant(a.reshape((b,) + tuple(split.boundary_shape)))
     t_fc = median_seconds(fc_pass, (a_t, y), repeats) / b
     g = fc_pass(a_t, y)[-1].numpy().reshape(b, -1)
-    rng = np.random.default_rng(0)
-
-    def codec_round():
-        pa = ac.encode(a, rng)
-        dec, mask = ac.decode(pa, b, a.shape[1])
-        pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
-        gc.decode(pg, b, a.shape[1], mask=mask if gc.sparse else None)
-        return pa, pg
-
-    codec_round()  # warm-up, as for the passes above
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        codec_round()
-        ts.append(time.perf_counter() - t0)
-    codec_s = sorted(ts)[len(ts) // 2] / b
+    codec_s = codec_seconds(ac, gc, a, g, repeats)
     act_bytes, grad_bytes = boundary_bytes(ac, gc, a != 0, micro_batches)
     return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": act_bytes,
             "grad_bytes": grad_bytes, "codec_s": codec_s,

@@ -1,38 +1,31 @@
-"""Cost model that picks the number of FC ranks (``hourglass.fc_workers: auto``).
+"""``hourglass.fc_workers: auto``: how many FC ranks, by the project's one performance model.
 
 Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field medians:
 
 * ``t_conv``, ``t_fc``: seconds per example of the trunk's and of the head's forward + backward
   pass (head: with the loss and the gradient with respect to the activations), timed on this
-  machine with the configured per-rank batch ``b``;
+  machine with the configured per-rank batch ``b`` (:func:`stage_passes`, :func:`median_seconds`);
 * ``act_bytes``: bytes per example CONV -> FC (the activations encoded by the configured
   ``hourglass.act_codec`` + an int32 label, 4), ``grad_bytes``: bytes per example FC -> CONV (the
   activation gradients encoded by ``hourglass.grad_codec``), both from :func:`boundary_bytes`, the
   codecs' exact payload lengths, which ``layout: auto`` uses too (``hourglass.wire_dtype`` is
-  only the default codec: :func:`configured_codecs`);
+  only the default codec: :func:`configured_codecs`); ``codec_s``: encode + decode seconds per
+  example of both directions (:func:`codec_seconds`, also ``layout: auto``'s);
 * ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
-  (``4 d`` dense fp32, the codec length for top-k / SGC), with ``conv_exchange`` /
-  ``fc_exchange`` the algorithm (``ring`` allreduce for dense, ``allgather`` or ``tree`` for
-  sparse; ``node`` is modelled as ``tree``) and ``conv_delay`` (SGC communication delay H);
-* ``bandwidth``: link bandwidth in bytes per second (``hourglass.link_bandwidth_mbps * 1e6 / 8``).
+  (``setting.payload_bytes``), with ``conv_exchange`` / ``fc_exchange`` the setting's collective
+  (``setting.algorithm``) and ``conv_delay`` / ``fc_delay`` the communication delays ``H``;
+* ``bandwidth``: link bandwidth in bytes per second (``hourglass.link_bandwidth_mbps * 1e6 / 8``,
+  a config value: unlike ``layout: auto``, ``fc_workers: auto`` runs no link probe);
+  ``micro_batches``: ``hourglass.micro_batches``; ``cycle_s``: Horovod's cycle time.
 
-For ``n`` ranks and ``F`` FC ranks, ``C = n - F`` CONV ranks, an FC rank serves at most
-``m = ceil(C / F)`` CONV ranks, and one step (global batch ``C b``) has two stages::
-
-    T_conv(F) = b t_conv + b (act + grad) / bw + E_conv(C) / bw
-    T_fc(F)   = m b t_fc + m b (act + grad) / bw + E_fc(F) / bw
-    E(k)      = 2 (k - 1) / k * P / H    (dense, ring allreduce)
-              = (k - 1) P / H            (sparse payload P, allgather, delay H)
-              = (L + 2 [k > 2^L]) P / H  (sparse, tree: busiest rank, L = floor(log2 k))
-
-With the stages pipelined the step takes ``T(F) = max(T_conv, T_fc)``; the model picks the
-``F`` in ``1 .. floor(n / 2)`` with the highest throughput ``C b / T(F)`` (examples per second;
-ties go to fewer FC ranks). Balancing the stages is the point: more FC ranks shorten
-``T_fc`` but take ranks away from the CONV stage.
+The prediction for each ``F`` in ``1 .. floor(n / 2)`` is :func:`hgsgc.perfmodel.predict_hourglass`
+(the GPipe-style pipeline of trunk, boundary and head, then the slower of the two roles'
+gradient exchanges; docs/hourglass.md) on :func:`layout_inputs` ``(inp, n)``: the same function
+``layout: auto`` and ``hgsgc plan`` predict the Hourglass with. The highest throughput ``C b /
+T(F)`` wins (ties go to fewer FC ranks).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import List, Tuple
@@ -114,7 +107,8 @@ def boundary_bytes(act_codec, grad_codec, nonzero, micro_batches: int = 1) -> Tu
 
 @dataclass(frozen=True)
 class CostInputs:
-    """Measured and derived inputs of the cost model (see the module docstring)."""
+    """Measured and derived inputs of ``fc_workers: auto`` (see the module docstring; seconds,
+    bytes, bytes per second)."""
 
     t_conv: float
     t_fc: float
@@ -127,6 +121,10 @@ class CostInputs:
     conv_exchange: str = "ring"
     fc_exchange: str = "ring"
     conv_delay: int = 1
+    fc_delay: int = 1
+    codec_s: float = 0.0
+    micro_batches: int = 1
+    cycle_s: float = 0.0
 
     @staticmethod
     def median(items: List["CostInputs"]) -> "CostInputs":
@@ -142,23 +140,32 @@ class CostInputs:
         return asdict(self)
 
 
+def layout_inputs(inp: CostInputs, world_size: int):
+    """``inp`` as :class:`hgsgc.perfmodel.LayoutInputs` for ``world_size`` ranks (alpha 0: no
+    probe here; no data-parallel candidate, so ``dp_payload`` is the sum of the two payloads)."""
+    from hgsgc import perfmodel
+
+    return perfmodel.LayoutInputs(
+        world_size=int(world_size), batch_size=inp.batch_size, t_conv=inp.t_conv, t_fc=inp.t_fc,
+        act_bytes=inp.act_bytes, grad_bytes=inp.grad_bytes, codec_s=inp.codec_s, alpha=0.0,
+        beta=inp.bandwidth, dp_payload=inp.conv_payload + inp.fc_payload, conv_payload=inp.conv_payload,
+        fc_payload=inp.fc_payload, dp_algorithm=inp.conv_exchange, conv_algorithm=inp.conv_exchange,
+        fc_algorithm=inp.fc_exchange, delay=int(inp.conv_delay), fc_delay=int(inp.fc_delay),
+        micro_batches=int(inp.micro_batches), cycle_s=inp.cycle_s)
+
+
 def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:
-    """``T_conv``, ``T_fc`` (seconds per step), step time and throughput for one ``F``."""
-    F = fc_workers
-    C = world_size - F
-    m = math.ceil(C / F)
-    b, bw = inp.batch_size, inp.bandwidth
-    wire = inp.act_bytes + inp.grad_bytes
-    t_conv = (b * inp.t_conv + b * wire / bw
-              + exchange_bytes(C, inp.conv_payload, inp.conv_exchange, inp.conv_delay) / bw)
-    t_fc = m * b * inp.t_fc + m * b * wire / bw + exchange_bytes(F, inp.fc_payload, inp.fc_exchange) / bw
-    step = max(t_conv, t_fc)
-    return {"fc_workers": F, "conv_workers": C, "convs_per_fc": m, "T_conv_s": t_conv,
-            "T_fc_s": t_fc, "T_step_s": step, "throughput": C * b / step if step > 0 else float("inf")}
+    """The prediction for one ``F``: :func:`hgsgc.perfmodel.predict_hourglass` of
+    :func:`layout_inputs`, with ``T_step_s`` its step time (seconds) and ``throughput``
+    (examples per second)."""
+    from hgsgc import perfmodel
+
+    p = perfmodel.predict_hourglass(layout_inputs(inp, world_size), fc_workers)
+    return {**p, "T_step_s": p["step_s"]}
 
 
 def choose_fc_workers(inp: CostInputs, world_size: int) -> dict:
-    """Pick ``F`` with the highest modelled throughput (ties: fewer FC ranks).
+    """Pick ``F`` with the highest predicted throughput (ties: fewer FC ranks).
 
     Returns:
         ``{"fc_workers": F, "inputs": {...}, "candidates": [stage_times for each F]}``.
@@ -177,17 +184,20 @@ def choose_fc_workers(inp: CostInputs, world_size: int) -> dict:
 
 
 def format_report(report: dict) -> str:
+    """Log lines: the inputs, each ``F``'s predicted step (pipeline + exchanges), the choice."""
     i = report["inputs"]
     lines = [
-        f"hourglass cost model: t_conv {i['t_conv'] * 1e6:.1f} us/example, "
+        f"hourglass cost model (perfmodel.predict_hourglass): t_conv {i['t_conv'] * 1e6:.1f} us/example, "
         f"t_fc {i['t_fc'] * 1e6:.1f} us/example, batch {i['batch_size']}, "
-        f"activations {i['act_bytes']:.0f} + gradients {i['grad_bytes']:.0f} B/example, "
+        f"activations {i['act_bytes']:.0f} + gradients {i['grad_bytes']:.0f} B/example "
+        f"(codec {i.get('codec_s', 0.0) * 1e6:.1f} us/example), M {i.get('micro_batches', 1)}, "
         f"CONV payload {i['conv_payload']:.0f} B ({i['conv_exchange']}, delay {i['conv_delay']}), "
-        f"FC payload {i['fc_payload']:.0f} B ({i['fc_exchange']}), "
-        f"link {i['bandwidth'] * 8 / 1e6:.0f} Mbit/s"]
+        f"FC payload {i['fc_payload']:.0f} B ({i['fc_exchange']}, delay {i.get('fc_delay', 1)}), "
+        f"link {i['bandwidth'] * 8 / 1e6:.0f} Mbit/s (config)"]
     for c in report["candidates"]:
         lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
-                     f"T_conv {c['T_conv_s'] * 1e3:.2f} ms, T_fc {c['T_fc_s'] * 1e3:.2f} ms, "
+                     f"pipeline {c['pipeline_s'] * 1e3:.2f} ms, CONV exchange {c['conv_exchange_s'] * 1e3:.2f} ms, "
+                     f"FC exchange {c['fc_exchange_s'] * 1e3:.2f} ms, step {c['step_s'] * 1e3:.2f} ms, "
                      f"{c['throughput']:.0f} examples/s")
     lines.append(f"hourglass cost model: fc_workers=auto -> {report['fc_workers']} FC ranks")
     return "\n".join(lines)
@@ -230,6 +240,34 @@ def stage_passes(split):
     return conv_pass, fc_pass
 
 
+def codec_seconds(act_codec, grad_codec, a, g, repeats: int = 3) -> float:
+    """Encode + decode seconds per example of one batch through both boundary codecs: the
+    activations ``a`` (float32 ``[b, f]``) CONV -> FC, then the activation gradients ``g`` (same
+    shape) FC -> CONV (masked by the activations' pattern for sparse gradient codecs). One
+    warm-up round, then the median of ``repeats`` timed rounds, divided by ``b``."""
+    import numpy as np
+
+    from hgsgc.hourglass.boundary import BoundaryCodec
+
+    ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
+    b, f = a.shape
+    rng = np.random.default_rng(0)
+
+    def codec_round():
+        pa = ac.encode(a, rng)
+        _, mask = ac.decode(pa, b, f)
+        pg = gc.encode(g, rng, mask=mask if gc.sparse else None)
+        gc.decode(pg, b, f, mask=mask if gc.sparse else None)
+
+    codec_round()
+    ts = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        codec_round()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] / b
+
+
 def median_seconds(fn, args, repeats: int) -> float:
     """Median wall time in seconds of ``repeats`` calls of ``fn(*args)`` after one untimed
     warm-up call (graph tracing); each call waits for its first output's value."""
@@ -246,12 +284,13 @@ def median_seconds(fn, args, repeats: int) -> float:
 
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
                   link_bandwidth_mbps: float, repeats: int = 3, act_codec="fp32",
-                  grad_codec="fp32", micro_batches: int = 1) -> CostInputs:
+                  grad_codec="fp32", micro_batches: int = 1, cycle_s: float = 0.0) -> CostInputs:
     """Time the trunk and the head on random data on this rank and build :class:`CostInputs`.
 
     ``act_codec`` / ``grad_codec``: the configured boundary codecs (:func:`configured_codecs`);
     ``act_bytes`` / ``grad_bytes`` are :func:`boundary_bytes` of the trunk's activations of the
-    random batch (initial weights) in ``micro_batches`` messages.
+    random batch (initial weights) in ``micro_batches`` messages, ``codec_s`` their
+    :func:`codec_seconds`; ``cycle_s``: Horovod's cycle time (seconds).
 
     One warm-up call (graph tracing) per stage, then the median of ``repeats`` timed calls.
     """
@@ -272,8 +311,9 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
 
     t_conv = median_seconds(conv_pass, (x,), repeats) / batch_size
     t_fc = median_seconds(fc_pass, (a, y), repeats) / batch_size
-    act_bytes, grad_bytes = boundary_bytes(act_codec, grad_codec,
-                                           a.numpy().reshape(batch_size, -1) != 0, micro_batches)
+    a2 = a.numpy().reshape(batch_size, -1)
+    g2 = fc_pass(a, y)[-1].numpy().reshape(batch_size, -1)
+    act_bytes, grad_bytes = boundary_bytes(act_codec, grad_codec, a2 != 0, micro_batches)
     cc, fcc = as_compression(conv_compression), as_compression(fc_compression)
     return CostInputs(
         t_conv=t_conv, t_fc=t_fc, batch_size=batch_size,
@@ -281,7 +321,9 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
         conv_payload=float(payload_bytes(cc, [tuple(v.shape) for v in trunk.trainable_variables])),
         fc_payload=float(payload_bytes(fcc, [tuple(v.shape) for v in head.trainable_variables])),
         bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0,
-        conv_exchange=_algorithm(cc), fc_exchange=_algorithm(fcc), conv_delay=int(cc.delay))
+        conv_exchange=_algorithm(cc), fc_exchange=_algorithm(fcc), conv_delay=int(cc.delay),
+        fc_delay=int(fcc.delay), codec_s=codec_seconds(act_codec, grad_codec, a2, g2, repeats),
+        micro_batches=int(micro_batches), cycle_s=float(cycle_s))
 
 
 def _algorithm(comp) -> str:

@@ -258,6 +258,7 @@ def run(cfg, log=print) -> dict:
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
     from hgsgc.hourglass.costmodel import configured_codecs, measure_costs
+    from hgsgc.perfmodel import horovod_cycle_s
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
     from hgsgc.hourglass.step import HourglassTrainer
@@ -278,7 +279,8 @@ def run(cfg, log=print) -> dict:
         act_codec, grad_codec = configured_codecs(cfg.hourglass)
         cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
                                      cfg.hourglass.link_bandwidth_mbps, act_codec=act_codec,
-                                     grad_codec=grad_codec, micro_batches=cfg.hourglass.micro_batches)
+                                     grad_codec=grad_codec, micro_batches=cfg.hourglass.micro_batches,
+                                     cycle_s=horovod_cycle_s())
     layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
     C, F = layout.n_conv, layout.n_fc
     _, steps_per_epoch = task.train_data(0, C, 0)
