@@ -205,12 +205,10 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
     Raises:
         ValueError: ``nodes < 1`` or a bad bandwidth.
     """
-    from hgsgc.models import build_model
-
     if int(nodes) < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     link = link or pm.link_for(bandwidth)
-    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    model, built = build_plan_model(cfg)
     shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
     if compute_s is None:
         compute_s = pm.measure_compute_s(model, cfg.train.batch_size, reps=max(reps, 3))
@@ -232,9 +230,27 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
               "bandwidth_bit_s": pm.parse_rate(bandwidth), "alpha_s": link.alpha_s,
               "beta_Bps": link.beta_Bps, "bidir_factor": link.bidir_factor,
               "cycle_s": cycle_s, "compute_s": compute_s,
-              "parameters": int(sum(math.prod(s) for s in shapes))}
+              "parameters": int(sum(math.prod(s) for s in shapes)), "model_built_from": built}
     return {"inputs": inputs, "hourglass_inputs": inp.to_dict() if inp is not None else None,
             "hourglass": info, "rows": rank_rows(rows, int(nodes), cfg.train.batch_size, steps_to_target)}
+
+
+def build_plan_model(cfg):
+    """``(model, how)``: the config's model as training builds it (``make_task(cfg).build_model()``:
+    vocabulary, input shape and width from the data and the config), or, when the data cannot be
+    loaded, :func:`hgsgc.models.build_model` from the config alone (``how`` says which, and why)."""
+    import tensorflow as tf
+
+    from hgsgc.data.errors import DataError
+    from hgsgc.models import build_model
+    from hgsgc.tasks import make_task
+
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+    try:
+        return make_task(cfg).build_model(), "task"
+    except (DataError, OSError) as exc:
+        return (build_model(cfg.model.name, seed=cfg.run.seed, width=cfg.model.width),
+                f"config only, without the data ({exc})")
 
 
 def _method_name(cfg) -> str:
@@ -249,6 +265,8 @@ def format_plan(result: dict) -> str:
              f"{i['nodes']} nodes, link {i['bandwidth_bit_s'] / 1e6:g} Mbit/s (beta {i['beta_Bps'] * 8 / 1e6:.1f} "
              f"Mbit/s payload, alpha {i['alpha_s'] * 1e6:.0f} us, pairwise factor {i['bidir_factor']:g}), "
              f"Horovod cycle {i['cycle_s'] * 1e3:g} ms, compute {i['compute_s'] * 1e3:.1f} ms/step"]
+    if i.get("model_built_from", "task") != "task":
+        lines.append(f"model: built from the {i['model_built_from']}")
     h, hi = result.get("hourglass") or {}, result.get("hourglass_inputs")
     if hi is None:
         lines.append(f"hourglass: not ranked ({h.get('reason', 'no inputs')})")
@@ -259,7 +277,8 @@ def format_plan(result: dict) -> str:
             f"{h['grad_codec']} {hi['grad_bytes']:.1f} B/example (non-zero activations "
             f"{h['density_of_nonzero_activations']:.3f}), codec {hi['codec_s'] * 1e6:.1f} us/example, "
             f"t_conv {hi['t_conv'] * 1e6:.1f} us/example, t_fc {hi['t_fc'] * 1e6:.1f} us/example, "
-            f"update {h['update_s'] * 1e3:.2f} ms/step split by parameters, M {hi['micro_batches']}, "
+            f"update {h['update_s'] * 1e3:.2f} ms/step split by parameters"
+            f"{_clamped(h)}, M {hi['micro_batches']}, "
             f"CONV exchange {hi['conv_payload']:.0f} B {hi['conv_algorithm']} H {hi['delay']}, FC exchange {h['fc_method']} "
             f"{hi['fc_payload']:.0f} B {hi['fc_algorithm']} H {hi['fc_delay']}")
     lines.append(f"{'rank':>4} {'layout / method':<20} {'algorithm':<15} {'H':>2} {'payload B':>11} {'compute':>8} "
@@ -280,6 +299,13 @@ def format_plan(result: dict) -> str:
                  "boundary wire), exchange columns = the slower role's; the step adds that role's update and "
                  "2 M alpha. Time to target needs quality curves: --steps-to-target FILE.json)")
     return "\n".join(lines)
+
+
+def _clamped(info: dict) -> str:
+    """A note when the measured step was shorter than the timed stages (noise: the update is 0)."""
+    d = info.get("compute_minus_stages_s", 0.0)
+    return "" if d >= 0 else (f" (clamped: the compute step is {-d * 1e3:.1f} ms shorter than b (t_conv + t_fc), "
+                              f"measurement noise)")
 
 
 def plan_main(args) -> int:
