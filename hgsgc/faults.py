@@ -12,8 +12,13 @@ template requeues on.
 
 Errors: :func:`run_guarded` (used by ``hgsgc train``) prints a failure once: an error every rank
 raised at the same point (an agreed checkpoint error, a data error on every rank) is printed by
-rank 0 alone; an error on some ranks only is printed by each failing rank, which then aborts the
-MPI job so ranks waiting in a collective do not hang.
+rank 0 alone; an error on some ranks only is printed once, by the lowest-numbered of the ranks
+that failed first (the others, which learnt of an earlier failure, stay quiet), which then aborts
+the MPI job so ranks waiting in a collective do not hang.
+
+Stalls: Horovod's stall inspector ends the job when a rank stops issuing collectives
+(:func:`configure_stall_check`); :func:`wait_for_peers` does the same for point-to-point waits
+(the Hourglass boundary exchange), raising :class:`StallError` naming the peer that never sent.
 """
 from __future__ import annotations
 
@@ -154,6 +159,66 @@ def configure_stall_check(timeout_s: float):
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(t))
 
 
+class StallError(RuntimeError):
+    """A rank waited longer than ``faults.stall_timeout_s`` for a point-to-point message or a
+    collective on a point-to-point communicator; the message names the peer rank(s) waited for.
+
+    Attributes:
+        peers: the ranks waited for (list of int), or None (a collective: unknown).
+    """
+
+    def __init__(self, message: str, peers=None):
+        super().__init__(message)
+        self.peers = None if peers is None else [int(p) for p in peers]
+
+
+def wait_for_peers(requests, peers, what: str, timeout_s: float, statuses=None,
+                   setting_s: Optional[float] = None, max_pause_s: float = 1e-3):
+    """``MPI.Request.Waitall(requests, statuses)`` with a deadline.
+
+    Args:
+        requests: mpi4py requests (``Isend`` / ``Irecv`` / ``Iallreduce`` ...).
+        peers: the rank each request waits for (same length), or None for a collective.
+        what: what is awaited, for the message (e.g. ``"activations of micro-batch 0"``).
+        timeout_s: seconds; ``<= 0`` waits without a deadline (plain ``Waitall``, MPI's own
+            progress loop).
+        statuses: optional ``MPI.Status`` list, filled as by ``Waitall``.
+        setting_s: the ``faults.stall_timeout_s`` the deadline derives from, for the message
+            (default ``timeout_s``).
+        max_pause_s: longest sleep between two ``Testall`` polls. The pause doubles from 50 us
+            up to it, so a wait costs a few percent of a core instead of MPI's busy poll, and
+            adds at most ``max_pause_s`` of latency after the last message arrived.
+
+    Raises:
+        StallError: not every request completed within ``timeout_s`` seconds; names the ranks
+            of the requests still pending (or says a rank did not join the collective) and the
+            setting, not the waiting rank (so ranks waiting alike raise the same message, which
+            :func:`report_error` prints once with their ranks). The requests are left pending
+            (the caller ends the job).
+    """
+    from mpi4py import MPI
+
+    if not timeout_s or timeout_s <= 0:
+        MPI.Request.Waitall(requests, statuses)
+        return
+    deadline = time.monotonic() + float(timeout_s)
+    pause = 0.0
+    while not MPI.Request.Testall(requests, statuses):
+        if time.monotonic() >= deadline:
+            t = f"{float(timeout_s):g}"
+            setting = f"faults.stall_timeout_s={float(setting_s or timeout_s):g}"
+            if peers is None:
+                raise StallError(f"waited {t} s for {what}: some rank did not join it "
+                                 f"({setting}); ending the job")
+            # a failed Testall modifies no request: Get_status tells which are still pending
+            late = sorted({int(p) for r, p in zip(requests, peers) if not r.Get_status()})
+            who = ", ".join(map(str, late)) or "?"
+            raise StallError(f"waited {t} s for {what}; rank {who} did not answer: it has "
+                             f"stopped or is stuck ({setting}); ending the job", late)
+        time.sleep(pause)
+        pause = min(max(2 * pause, 5e-5), max_pause_s)
+
+
 # ---------------------------------------------------------------------------------------------
 # errors: once, and never a hang
 
@@ -200,17 +265,72 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(msg.split()) if len(msg) < 2000 else msg}"
 
 
+NOTICE_TAG = 7713  # "rank r failed with line L", on the error communicator
+
+
+def _notices(comm):
+    """Failure notices ``(rank, first, line, peers)`` that have arrived on ``comm`` so far."""
+    from mpi4py import MPI
+
+    out = []
+    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG):
+        out.append(tuple(comm.recv(source=MPI.ANY_SOURCE, tag=NOTICE_TAG)))
+    return out
+
+
+def _error_lines(failed, size, blamed=None, shutdown_hint=True):
+    """One ``hgsgc: error ...`` line per distinct message, naming the ranks it came from.
+
+    ``failed``: rank -> message; ``blamed``: rank -> the ranks its stall waited for (None: not a
+    stall). A stall that waited only for ranks that failed themselves is a consequence, not a
+    cause, and is left out (unless every message is such a one)."""
+    blamed = blamed or {}
+    causes = {r: ln for r, ln in failed.items()
+              if not blamed.get(r) or not set(blamed[r]) <= set(failed)}
+    seen = {}
+    for r, line in sorted((causes or failed).items()):
+        seen.setdefault(line, []).append(r)
+    out = []
+    for ln, ranks in seen.items():
+        if len(ranks) == size:
+            who = f"(all {size} ranks)"
+        else:
+            who = ("on rank " if len(ranks) == 1 else "on ranks ") + ",".join(map(str, ranks))
+        text = f"hgsgc: error {who}: {ln}"
+        quiet = [r for r in range(size) if r not in failed]
+        if shutdown_hint and quiet and "Horovod has been shut down" in ln:
+            text += (f" [no error from rank{'s' if len(quiet) > 1 else ''} "
+                     f"{','.join(map(str, quiet))}: it stopped issuing collectives (Horovod's "
+                     f"stall inspector, faults.stall_timeout_s) or failed first]")
+        out.append(text)
+    return out
+
+
 def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None) -> int:
     """Print ``exc`` once for the whole job and end this rank; returns the exit code (1) when
     every rank failed alike (the caller exits), otherwise aborts the MPI job.
 
     * ``exc.all_ranks`` (agreed errors): rank 0 prints, all ranks meet at a barrier, exit 1.
-    * otherwise the failing ranks wait up to ``grace_s`` (``$HGSGC_ERROR_GRACE_S``, default 3 s)
-      in a non-blocking barrier: if every rank arrives (every rank failed), rank 0 prints each
-      distinct message once with the ranks it came from; if not (some ranks are still running or
-      blocked in a collective), each failing rank prints its own line and calls
-      ``MPI_Abort``, which ends every rank.
+    * otherwise the failing rank first looks for failure notices of other ranks that already
+      arrived (it is then a *follower*: its error is most likely a consequence, e.g. a peer that
+      waited for a rank that failed), sends its own notice ``(rank, first, line)`` to every rank,
+      and waits up to ``grace_s`` (``$HGSGC_ERROR_GRACE_S``, default 3 s) in a non-blocking
+      barrier:
+
+      - every rank arrives (every rank failed): rank 0 prints each distinct message once with
+        the ranks it came from; every rank exits 1;
+      - not every rank arrives (some ranks are still running, blocked, or stalled): the
+        lowest-numbered rank among those that failed first (no earlier notice), preferring one
+        whose error is a cause (not a :class:`StallError` that waited only for ranks that failed
+        too), prints one line per distinct message of the ranks it heard from (``hgsgc: error on
+        ranks 0,2: ...``; such consequences left out; for a Horovod stall shutdown also the
+        ranks that reported nothing) and calls
+        ``MPI_Abort``, which ends every rank; the other failing ranks stay quiet and are ended by
+        that abort (should none come within ``max(10, 3 grace)`` s, each prints its own line and
+        aborts, so the job never hangs and never ends silently).
     """
+    from mpi4py import MPI
+
     rank = world_rank()
     line = one_line(exc)
     comm = comm if comm is not None else error_comm()
@@ -222,25 +342,46 @@ def report_error(exc: BaseException, comm=None, grace_s: Optional[float] = None)
             print(f"hgsgc: error (all {comm.Get_size()} ranks): {line}", file=sys.stderr, flush=True)
         comm.Barrier()
         return 1
+    me, size = comm.Get_rank(), comm.Get_size()
     grace = float(os.environ.get("HGSGC_ERROR_GRACE_S", "3")) if grace_s is None else grace_s
+    peers = getattr(exc, "peers", None)
+    heard = _notices(comm)
+    first = not heard
+    sends = [comm.isend((me, first, line, peers), dest=r, tag=NOTICE_TAG)
+             for r in range(size) if r != me]
     req = comm.Ibarrier()
     deadline = time.monotonic() + grace
     done = req.Test()
     while not done and time.monotonic() < deadline:
         time.sleep(0.02)
         done = req.Test()
-    if done:
-        lines = comm.allgather(line)
-        if comm.Get_rank() == 0:
-            seen = {}
-            for r, ln in enumerate(lines):
-                seen.setdefault(ln, []).append(r)
-            for ln, ranks in seen.items():
-                who = (f"all {len(lines)} ranks" if len(ranks) == len(lines)
-                       else "ranks " + ",".join(map(str, ranks)))
-                print(f"hgsgc: error ({who}): {ln}", file=sys.stderr, flush=True)
+    if done:  # every rank failed: every notice was sent before the barrier, so all arrive
+        heard += [tuple(comm.recv(source=MPI.ANY_SOURCE, tag=NOTICE_TAG))
+                  for _ in range(size - 1 - len(heard))]
+        MPI.Request.Waitall(sends)
+        if me == 0:
+            failed = {r: ln for r, _, ln, _ in heard}
+            failed[me] = line
+            for text in _error_lines(failed, size, {r: p for r, _, _, p in heard}):
+                print(text, file=sys.stderr, flush=True)
         comm.Barrier()
         return 1
+    heard += _notices(comm)
+    failed = {r: ln for r, _, ln, _ in heard}
+    failed[me] = line
+    blamed = {r: p for r, _, _, p in heard}
+    blamed[me] = peers
+    leaders = [r for r, f, _, _ in heard if f] + ([me] if first else [])
+    # prefer a rank whose failure is a cause: not a stall waiting only for ranks that failed too
+    causes = [r for r in leaders if not blamed.get(r) or not set(blamed[r]) <= set(failed)]
+    if first and me == min(causes or leaders):
+        for text in _error_lines(failed, size, blamed):
+            print(text, file=sys.stderr, flush=True)
+        _abort(1)
+    # a follower (or a later first failure): the leader's MPI_Abort ends this process
+    end = time.monotonic() + max(10.0, 3 * grace)
+    while time.monotonic() < end:
+        time.sleep(0.05)
     print(f"hgsgc: error on rank {rank}: {line}", file=sys.stderr, flush=True)
     _abort(1)
     return 1

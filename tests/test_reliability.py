@@ -287,3 +287,47 @@ def test_boundary_codec_generator_state_round_trips_through_a_checkpoint(bitgen)
     wrong = np.random.Generator(np.random.Philox(0))
     with pytest.raises(ValueError, match=f"{bitgen.__name__}.*Philox"):
         set_generator_state(wrong, back)
+
+
+def test_wait_for_peers_deadline_names_the_pending_peer():
+    """One process: a receive nobody sends raises StallError naming its peer and the setting
+    once the deadline passes; completed requests return; a timeout of 0 is a plain Waitall."""
+    from mpi4py import MPI
+
+    from hgsgc.faults import StallError, wait_for_peers
+
+    comm = MPI.COMM_SELF
+    buf = np.zeros(3)
+    send = comm.Isend(np.arange(3.0), dest=0, tag=5)
+    wait_for_peers([comm.Irecv(buf, source=0, tag=5), send], [0, 0], "x", 30.0)
+    assert buf.tolist() == [0.0, 1.0, 2.0]
+    never = comm.Irecv(np.zeros(1), source=0, tag=6)
+    with pytest.raises(StallError, match=r"waited 0.2 s for activations \(step 3\); rank 0 did "
+                       r"not answer: .*\(faults.stall_timeout_s=0.1\)") as e:
+        wait_for_peers([never], [0], "activations (step 3)", 0.2, setting_s=0.1)
+    assert e.value.peers == [0]
+    never.Cancel()
+    never.Wait()
+    wait_for_peers([comm.Isend(np.zeros(1), dest=0, tag=7), comm.Irecv(np.zeros(1), source=0, tag=7)],
+                   [0, 0], "y", 0)
+
+
+def test_error_lines_group_ranks_and_leave_out_consequences():
+    """report_error's printer: one line per distinct message with its ranks; a stall that waited
+    only for ranks that failed themselves is a consequence and is left out; a Horovod stall
+    shutdown names the ranks that reported nothing."""
+    from hgsgc.faults import _error_lines
+
+    stall0 = "StallError: waited 6 s for activations; rank 0 did not answer"
+    stall2 = "StallError: waited 9 s for activation gradients; rank 2 did not answer"
+    assert _error_lines({2: stall0, 1: stall2}, 3, {2: [0], 1: [2]}) == \
+        [f"hgsgc: error on rank 2: {stall0}"]
+    assert _error_lines({0: stall2, 1: stall2}, 3, {0: [2], 1: [2]}) == \
+        [f"hgsgc: error on ranks 0,1: {stall2}"]
+    assert _error_lines({0: "E: a", 1: "E: a", 2: "E: b"}, 3) == \
+        ["hgsgc: error on ranks 0,1: E: a", "hgsgc: error on rank 2: E: b"]
+    assert _error_lines({0: "E: a", 1: "E: a"}, 2) == ["hgsgc: error (all 2 ranks): E: a"]
+    hvd = "UnknownError: Horovod has been shut down. [Op:HorovodAllreduce]"
+    assert _error_lines({0: hvd, 2: hvd}, 3) == [
+        f"hgsgc: error on ranks 0,2: {hvd} [no error from rank 1: it stopped issuing collectives "
+        f"(Horovod's stall inspector, faults.stall_timeout_s) or failed first]"]

@@ -238,7 +238,9 @@ def test_runtime_error_on_every_rank_printed_once(tmp_path):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_rank_that_stops_issuing_collectives_ends_job_naming_it(np_):
-    """faults.stall_timeout_s (Horovod's stall inspector): the job ends, naming the rank."""
+    """faults.stall_timeout_s (Horovod's stall inspector): the job ends, naming the rank; the
+    waiting ranks' error is printed once for the job (by the lowest-numbered waiting rank),
+    naming the ranks it came from and the rank that reported nothing."""
     from conftest import mpirun
 
     stalled = np_ - 1
@@ -250,7 +252,42 @@ def test_rank_that_stops_issuing_collectives_ends_job_naming_it(np_):
     out = p.stdout + p.stderr
     assert f"Missing ranks:\n{stalled}!" in out, out[-3000:]
     assert "is stalled for longer than 6 seconds. Will shutdown." in out, out[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hgsgc: error")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    waiting = ",".join(map(str, range(np_ - 1)))
+    assert lines[0].startswith(f"hgsgc: error on rank{'s' if np_ > 2 else ''} {waiting}: "), lines
+    assert "Horovod has been shut down" in lines[0], lines
+    assert f"[no error from rank {stalled}: it stopped issuing collectives" in lines[0], lines
     print(f"stall: job ended {took:.1f} s after start (6 s stall timeout)")
+
+
+@pytest.mark.parametrize("np_,victim", [(2, 1), (3, 0), (3, 2)])
+def test_stall_in_hourglass_boundary_exchange_ends_job_naming_the_peer(np_, victim):
+    """A rank that stops before the Hourglass point-to-point exchange (mpi4py Isend/Irecv, not a
+    Horovod collective): with faults.stall_timeout_s=6 the rank waiting for it directly (the FC
+    rank for a CONV victim; the CONV ranks for the FC victim) raises StallError naming it, the
+    job ends non-zero, and the error is printed once. With CONV rank 0 stalled, CONV rank 1 (which
+    waits for the FC rank's activation gradients, 1.5 T) never blames the FC rank."""
+    from conftest import mpirun
+
+    p = mpirun(np_, ["tests/mpi/fault_hourglass_stall.py", str(victim)], timeout=240,
+               env={"STALL_TIMEOUT_S": "6"})
+    assert p.returncode != 0 and "UNREACHABLE" not in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"rank {victim} stalls before the boundary exchange of step 3" in p.stdout
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hgsgc: error")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    fc = np_ - 1
+    if victim == fc:  # every CONV rank waits for its activation gradients
+        convs = list(range(fc))
+        who = f"rank{'s' if len(convs) > 1 else ''} {','.join(map(str, convs))}"
+        want = (f"hgsgc: error on {who}: StallError: waited 9 s for activation gradients (step 3, "
+                f"micro-batch 0); rank {fc} did not answer: it has stopped or is stuck "
+                f"(faults.stall_timeout_s=6); ending the job")
+    else:  # the FC rank waits for the victim's activations
+        want = (f"hgsgc: error on rank {fc}: StallError: waited 6 s for activations (step 3, "
+                f"micro-batch 0); rank {victim} did not answer: it has stopped or is stuck "
+                f"(faults.stall_timeout_s=6); ending the job")
+    assert lines[0] == want, (lines, p.stderr[-3000:])
 
 
 HOURGLASS = ["configs/fashion_mnist.yaml", "model.name=tiny", "data.train_limit=2000",

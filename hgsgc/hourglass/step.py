@@ -44,6 +44,7 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from hgsgc.faults import StallError, wait_for_peers
 from hgsgc.hourglass.boundary import check_pair, generator_state, set_generator_state
 
 TAG_ACT, TAG_LABEL, TAG_GRAD = 101, 102, 103
@@ -94,6 +95,14 @@ class HourglassTrainer:
             ``(codec_seed, world rank)``); its state is in :meth:`rng_state` (checkpoints).
         record: keep this step's boundary tensors in ``self.recorded`` (tests: CONV ranks ``a``,
             ``g_dec``; FC ranks ``a_dec``, ``g``, ``mask``, lists over micro-batches x CONV ranks).
+        stall_timeout_s: ``T`` seconds (``faults.stall_timeout_s``; 0 = wait forever). A rank
+            that waits longer than ``T`` for a boundary message (FC rank: a CONV rank's
+            activations; either side: a send the peer never receives) raises
+            :class:`hgsgc.faults.StallError` naming the peer; waits whose message depends on
+            the peer's own receives (a CONV rank waiting for activation gradients, which the FC
+            rank computes once every CONV rank's activations arrived; the loss/evaluation
+            allreduces) get ``1.5 T``, so the rank waiting for the stalled rank directly reports
+            first. :func:`hgsgc.cli.run_guarded` prints it once and ends the job.
 
     Raises:
         ValueError: ``batch_size < 1``, an unsupported ``wire_dtype``, ``micro_batches`` outside
@@ -106,7 +115,7 @@ class HourglassTrainer:
     def __init__(self, layout, split, batch_size: int, optimizer, compression=None,
                  fc_compression=None, broadcast: bool = True, wire_dtype: str = "float32",
                  micro_batches: int = 1, act_codec=None, grad_codec=None, codec_seed: int = 0,
-                 record: bool = False):
+                 record: bool = False, stall_timeout_s: float = 0.0):
         import horovod.tensorflow as hvd
 
         import hgsgc
@@ -125,6 +134,8 @@ class HourglassTrainer:
                                                      split.trunk)
         self.rng = np.random.default_rng([int(codec_seed), int(layout.rank)])
         self.record, self.recorded = bool(record), {}
+        self.stall_timeout_s = max(0.0, float(stall_timeout_s or 0.0))
+        self._fault = None  # a StallError raised inside the step's graph (numpy_function)
         self._pending = []
         if (not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool)
                 or not 1 <= micro_batches <= batch_size):
@@ -271,11 +282,16 @@ class HourglassTrainer:
 
     def _conv_recv(self, j):
         """CONV rank, micro-batch ``j``: wait for its activation gradients, decode them."""
-        from mpi4py import MPI
-
         reqs, payload, yy, g_buf, mask, flat = self._pending[int(j)]
         t0 = time.perf_counter()
-        MPI.Request.Waitall(reqs)
+        fc = self.layout.my_fc
+        try:  # the FC rank sends dA once it has every CONV rank's activations: 1.5 T
+            wait_for_peers(reqs, [fc] * len(reqs), f"activation gradients (step {self.steps}, "
+                           f"micro-batch {int(j)})", 1.5 * self.stall_timeout_s,
+                           setting_s=self.stall_timeout_s)
+        except StallError as exc:
+            self._fault = exc  # TensorFlow wraps it; train_step raises it as is
+            raise
         self.times["conv_wait_s"] += time.perf_counter() - t0
         g, _ = self._decode(self.grad_codec, g_buf, flat.shape[0], mask=mask)
         if self.record:  # (micro-batch, tensor)
@@ -306,7 +322,9 @@ class HourglassTrainer:
             rows = hi - lo
             statuses = [MPI.Status() for _ in reqs]
             t1 = time.perf_counter()
-            MPI.Request.Waitall(reqs, statuses)
+            wait_for_peers(reqs, [c for c in convs for _ in range(2)],
+                           f"activations (step {self.steps}, micro-batch {len(sends) // len(convs)})",
+                           self.stall_timeout_s, statuses)
             t2 = time.perf_counter()
             acts, masks, labels = [], [], []
             for i, (p, y) in enumerate(bufs):
@@ -339,7 +357,9 @@ class HourglassTrainer:
         t3 = time.perf_counter()
         self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
         t4 = time.perf_counter()
-        MPI.Request.Waitall(sends)
+        wait_for_peers(sends, [c for _ in chunks for c in convs],
+                       f"CONV ranks to receive activation gradients (step {self.steps})",
+                       self.stall_timeout_s)
         t5 = time.perf_counter()
         tm["fc_apply_s"] += t4 - t3
         tm["fc_send_wait_s"] += t5 - t4
@@ -362,7 +382,12 @@ class HourglassTrainer:
             if x is None or y is None or len(x) != self.batch_size or len(y) != self.batch_size:
                 raise ValueError(f"CONV rank {self.layout.rank}: train_step needs x and y with "
                                  f"batch_size={self.batch_size} examples")
-            self._conv_step(tf.constant(x), tf.constant(np.asarray(y, np.int32)))
+            try:
+                self._conv_step(tf.constant(x), tf.constant(np.asarray(y, np.int32)))
+            except tf.errors.OpError:
+                if self._fault is not None:
+                    raise self._fault from None
+                raise
             out = None
         else:
             out = self._fc_step()
@@ -402,18 +427,20 @@ class HourglassTrainer:
                 a = self._conv_eval(tf.constant(x[s:s + batch_size])).numpy()
                 payload = self.act_codec.encode(a.reshape(len(a), -1), self.rng)
                 yy = np.ascontiguousarray(y[s:s + batch_size], dtype=np.int32)
-                MPI.Request.Waitall([self.comm.Isend(payload, dest=fc, tag=TAG_EVAL_ACT),
-                                     self.comm.Isend(yy, dest=fc, tag=TAG_EVAL_LABEL)])
+                wait_for_peers([self.comm.Isend(payload, dest=fc, tag=TAG_EVAL_ACT),
+                                self.comm.Isend(yy, dest=fc, tag=TAG_EVAL_LABEL)], [fc, fc],
+                               "the FC rank to receive evaluation activations", self.stall_timeout_s)
         else:
             convs = self.layout.my_convs
             hdr = [np.empty(2, np.int64) for _ in convs]
-            MPI.Request.Waitall([self.comm.Irecv(h, source=c, tag=TAG_EVAL_HDR)
-                                 for h, c in zip(hdr, convs)])
+            wait_for_peers([self.comm.Irecv(h, source=c, tag=TAG_EVAL_HDR)
+                            for h, c in zip(hdr, convs)], convs, "the evaluation header",
+                           self.stall_timeout_s)
             lens = [int(h[0]) for h in hdr]
             ebs = [max(1, int(h[1])) for h in hdr]
             rounds = max([math.ceil(n / eb) for n, eb in zip(lens, ebs)] + [0])
             for r in range(rounds):
-                acts, labels, reqs = [], [], []
+                acts, labels, reqs, peers = [], [], [], []
                 for c, n, eb in zip(convs, lens, ebs):
                     rows = min(eb, n - r * eb)
                     if rows <= 0:
@@ -424,15 +451,19 @@ class HourglassTrainer:
                              self.comm.Irecv(yy, source=c, tag=TAG_EVAL_LABEL)]
                     acts.append(a)
                     labels.append(yy)
+                    peers += [c, c]
                 statuses = [MPI.Status() for _ in reqs]
-                MPI.Request.Waitall(reqs, statuses)
+                wait_for_peers(reqs, peers, f"evaluation activations (round {r})",
+                               self.stall_timeout_s, statuses)
                 dec = [self.act_codec.decode(a[:st.Get_count(MPI.BYTE)], len(yy), self.features)[0]
                        for a, yy, st in zip(acts, labels, statuses[0::2])]
                 a = np.concatenate(dec).reshape((-1,) + self.a_shape).astype(self.a_dtype, copy=False)
                 l, k = self._fc_eval(tf.constant(a), tf.constant(np.concatenate(labels)))
                 sums += (float(l), float(k), sum(len(t) for t in labels))
         tot = np.zeros(3)
-        self.comm.Allreduce(sums, tot, op=MPI.SUM)
+        wait_for_peers([self.comm.Iallreduce(sums, tot, op=MPI.SUM)], None,
+                       "the evaluation allreduce", 1.5 * self.stall_timeout_s,
+                       setting_s=self.stall_timeout_s)
         if tot[2] == 0:
             return float("nan"), float("nan")
         return tot[0] / tot[2], tot[1] / tot[2]
@@ -442,7 +473,9 @@ class HourglassTrainer:
         from mpi4py import MPI
 
         tot = np.zeros(2)
-        self.comm.Allreduce(self._train_loss, tot, op=MPI.SUM)
+        wait_for_peers([self.comm.Iallreduce(self._train_loss, tot, op=MPI.SUM)], None,
+                       "the training-loss allreduce", 1.5 * self.stall_timeout_s,
+                       setting_s=self.stall_timeout_s)
         if reset:
             self._train_loss[:] = 0
         return tot[0] / tot[1] if tot[1] else float("nan")

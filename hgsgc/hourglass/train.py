@@ -296,7 +296,8 @@ def run(cfg, log=print) -> dict:
                                fc_compression=fc_compression, wire_dtype=cfg.hourglass.wire_dtype,
                                micro_batches=cfg.hourglass.micro_batches,
                                act_codec=cfg.hourglass.act_codec, grad_codec=cfg.hourglass.grad_codec,
-                               codec_seed=cfg.run.seed)
+                               codec_seed=cfg.run.seed,
+                               stall_timeout_s=cfg.faults.stall_timeout_s)
     if hasattr(trainer.opt, "hgsgc_set_nonfinite"):  # per role: each role skips alike
         trainer.opt.hgsgc_set_nonfinite(cfg.faults.nonfinite)
 
