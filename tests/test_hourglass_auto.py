@@ -1,5 +1,5 @@
 """layout=auto: the choice follows hgsgc.perfmodel's predictions on fixed inputs (single process),
-and the formulas are the documented ones (docs/hourglass.md, "layout: auto")."""
+and the formulas are the documented ones (docs/hourglass.md, "One performance model")."""
 import math
 
 import pytest
