@@ -74,9 +74,12 @@ def _emulated():
 
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
-             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "pin")
+             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "pin",
+             "full_epoch_steps", "time_to_target")
 DILATIONS = ("none", "cpu_share", "gpu")
-METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role")
+METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides")
+TTT_KEYS = ("metric", "mode", "reference", "rel", "abs", "curve_hosts", "curve_overrides", "curve_mpi_args",
+            "curve_timeout_s", "reuse_curves")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -151,7 +154,8 @@ def load_spec(path_or_dict) -> dict:
         m.setdefault("overrides", [])
         m.setdefault("mpi_args", [])
         m.setdefault("role", "other")
-        for key in ("overrides", "mpi_args"):
+        m.setdefault("cell_overrides", [])
+        for key in ("overrides", "mpi_args", "cell_overrides"):
             if not isinstance(m[key], list) or not all(isinstance(x, str) for x in m[key]):
                 raise SpecError(f"spec: methods[{i}] ({m['name']}).{key} must be a list of strings")
         if m["role"] not in ROLES:
@@ -162,6 +166,12 @@ def load_spec(path_or_dict) -> dict:
             raise SpecError(f"spec: methods[{i}] ({m['name']}): config {m['config']} not found "
                             f"(paths are relative to the directory you run hgsgc bench from)")
         names.add(m["name"])
+    fe = spec.setdefault("full_epoch_steps", None)
+    if fe is not None and (isinstance(fe, bool) or not isinstance(fe, int) or fe < 1):
+        raise SpecError(f"spec: 'full_epoch_steps' must be an integer >= 1 (steps of one full epoch "
+                        f"at the cells' global batch), got {fe!r}")
+    if spec.get("time_to_target") is not None:
+        spec["time_to_target"] = _check_ttt(spec["time_to_target"], names)
     spec.setdefault("dilation", "none")
     spec.setdefault("pin", False)
     if not isinstance(spec["pin"], bool):
@@ -188,6 +198,54 @@ def load_spec(path_or_dict) -> dict:
     return spec
 
 
+def _check_ttt(t, names) -> dict:
+    """Validate and fill in the ``time_to_target`` section of a spec (see :func:`time_to_target`)."""
+    if not isinstance(t, dict):
+        raise SpecError("spec: 'time_to_target' must be a mapping (metric:, mode:, reference:, rel: ...)")
+    t = dict(t)
+    unknown = sorted(set(t) - set(TTT_KEYS))
+    if unknown:
+        raise SpecError(f"spec: time_to_target: unknown key(s) {', '.join(unknown)}: valid keys are "
+                        f"{', '.join(TTT_KEYS)}")
+    t.setdefault("metric", "valid_perplexity")
+    t.setdefault("mode", "min")
+    if t["mode"] not in ("min", "max"):
+        raise SpecError(f"spec: time_to_target.mode must be 'min' (perplexity, loss: lower is better) or "
+                        f"'max' (accuracy), got {t['mode']!r}")
+    if t.get("reference") not in names:
+        raise SpecError(f"spec: time_to_target.reference must name one of the methods (the dense run whose "
+                        f"final {t['metric']} defines the target), got {t.get('reference')!r}")
+    if t["mode"] == "min":
+        t.setdefault("rel", 0.03)
+        if t.get("abs") is not None or isinstance(t["rel"], bool) or not isinstance(t["rel"], (int, float)) \
+                or t["rel"] < 0:
+            raise SpecError("spec: time_to_target with mode: min takes rel: a fraction >= 0 (target = "
+                            "reference's final value x (1 + rel)), not abs")
+    else:
+        t.setdefault("abs", 0.005)
+        if t.get("rel") is not None or isinstance(t["abs"], bool) or not isinstance(t["abs"], (int, float)) \
+                or t["abs"] < 0:
+            raise SpecError("spec: time_to_target with mode: max takes abs: >= 0 (target = reference's "
+                            "final value - abs), not rel")
+    t.setdefault("curve_hosts", 4)
+    h = t["curve_hosts"]
+    if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+        raise SpecError(f"spec: time_to_target.curve_hosts must be an integer >= 1 (ranks of the loopback "
+                        f"curve runs), got {h!r}")
+    for key in ("curve_overrides", "curve_mpi_args"):
+        t.setdefault(key, [])
+        if not isinstance(t[key], list) or not all(isinstance(x, str) for x in t[key]):
+            raise SpecError(f"spec: time_to_target.{key} must be a list of strings")
+    t.setdefault("curve_timeout_s", 7200)
+    ct = t["curve_timeout_s"]
+    if isinstance(ct, bool) or not isinstance(ct, (int, float)) or ct <= 0:
+        raise SpecError(f"spec: time_to_target.curve_timeout_s must be seconds > 0, got {ct!r}")
+    t.setdefault("reuse_curves", False)
+    if not isinstance(t["reuse_curves"], bool):
+        raise SpecError("spec: time_to_target.reuse_curves must be true or false")
+    return t
+
+
 def _bw_mbit(bw: str) -> float:
     """'100mbit' -> 100.0, '1gbit' -> 1000.0, '500kbit' -> 0.5 (tc rate units, bits)."""
     s = str(bw).lower().strip()
@@ -211,17 +269,20 @@ def _read_run(run_dir: str) -> dict:
     return {"summary": summary, "config": cfg, "epochs": epochs}
 
 
-def _full_epoch_steps(summary: dict, cfg: dict) -> int:
-    """Steps of one full epoch (all training images) for this run's global batch."""
+def _full_epoch_steps(summary: dict, cfg: dict, given: Optional[int] = None) -> int:
+    """Steps of one full epoch (all training images) for this run's global batch; ``given`` (the
+    spec's ``full_epoch_steps``, e.g. for a language model whose epoch is counted in tokens) wins."""
+    if given:
+        return int(given)
     images = (cfg.get("data") or {}).get("train_limit") or FULL_TRAIN_IMAGES
     gb = summary.get("global_batch_size") or summary["batch_size_per_rank"] * summary["world_size"]
     return max(1, images // gb)
 
 
-def _record(run: dict) -> dict:
+def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
     """The per-cell figures from a run directory's files."""
     s, cfg, epochs = run["summary"], run["config"], run["epochs"]
-    full_steps = _full_epoch_steps(s, cfg)
+    full_steps = _full_epoch_steps(s, cfg, full_epoch_steps)
     rec = {
         "run_id": s["run_id"],
         "world_size": s["world_size"],
@@ -247,6 +308,12 @@ def _record(run: dict) -> dict:
         "compression_ratio": s.get("compression_ratio"),
         "final_test_accuracy": s.get("final_test_accuracy"),
         "final_test_loss": s.get("final_test_loss"),
+        "final_valid_perplexity": s.get("final_valid_perplexity"),
+        # one evaluation: the training wall time minus the epochs' step loops, per evaluation (one
+        # after every epoch; with checkpoint.at_end=false the rest of the loop is negligible)
+        "eval_time_s": ((s["wall_time_s"] - sum(e.get("epoch_time_s") or 0.0 for e in epochs)) / len(epochs)
+                        if epochs else None),
+        "eval_count": len(epochs),
         "accuracy_curve": [{"epoch": e["epoch"], "test_accuracy": e.get("test_accuracy"),
                             "epoch_time_s": e.get("epoch_time_s")} for e in epochs],
     }
@@ -285,7 +352,7 @@ def _error_of(stdout: str, stderr: str, rc) -> str:
 def _train_args(python: str, method: dict, spec: dict, run_dir_root: str, run_id: str) -> List[str]:
     pin = ["train.threads=1"] if spec.get("pin") else []
     return [python, "-m", "hgsgc.cli", "train", method["config"], *spec["overrides"], *method["overrides"],
-            *pin, f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
+            *method.get("cell_overrides", []), *pin, f"run.out_dir={run_dir_root}", f"run.id={run_id}", "train.progress=false"]
 
 
 def _cell_env(spec: dict) -> Optional[dict]:
@@ -344,7 +411,7 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
     prefix = "hgb" + uuid.uuid4().hex[:6]
     run_id = f"{spec['name']}-{method['name']}-{hosts}h-{bandwidth}-{prefix}"
     cell = {"method": method["name"], "role": method["role"], "config": method["config"],
-            "overrides": [*spec["overrides"], *method["overrides"]],
+            "overrides": [*spec["overrides"], *method["overrides"], *method.get("cell_overrides", [])],
             "mpi_args": [*spec["mpi_args"], *method["mpi_args"]],
             "hosts": hosts, "bandwidth": bandwidth, "bandwidth_mbit": _bw_mbit(bandwidth),
             "prefix": prefix, "status": "failed", "error": None, "load_before": _load(),
@@ -378,7 +445,7 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
             cell["error"] = _error_of(p.stdout, p.stderr, p.returncode)
             return cell
         run = _read_run(os.path.join(spec["runs_dir"], run_id))
-        cell.update(_record(run))
+        cell.update(_record(run, spec.get("full_epoch_steps")))
         steps = max(1, cell["steps"])
         hosts_sorted = sorted(per_host)
         cell["interface"] = {h: per_host[h] for h in hosts_sorted}
@@ -460,6 +527,79 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
     return rec
 
 
+def curve_run_id(spec: dict, method: dict) -> str:
+    """Run id of a method's loopback curve run (deterministic: ``reuse_curves`` finds it again)."""
+    return f"{spec['name']}-curve-{method['name']}"
+
+
+def run_curve(method: dict, spec: dict, python: Optional[str] = None) -> dict:
+    """The quality-vs-steps curve of one method: a plain ``mpirun -np curve_hosts`` run on this
+    machine (loopback; the curve does not depend on the network), with the method's config and
+    ``overrides`` plus ``time_to_target.curve_overrides`` (NOT the spec's cell overrides nor the
+    method's ``cell_overrides``). With ``reuse_curves``, a finished run of the same id in
+    ``runs_dir`` (its summary.json exists) is read instead of run again (recorded as ``reused``)."""
+    from hgsgc.bench_ttt import curve_from_epochs
+
+    t = spec["time_to_target"]
+    py = python or sys.executable
+    run_id = curve_run_id(spec, method)
+    run_dir = os.path.join(spec["runs_dir"], run_id)
+    rec = {"method": method["name"], "run_id": run_id, "status": "failed", "error": None,
+           "overrides": [*method["overrides"], *t["curve_overrides"]], "hosts": t["curve_hosts"],
+           "load_before": _load(), "reused": False}
+    t0 = time.perf_counter()
+    try:
+        if t["reuse_curves"] and os.path.exists(os.path.join(run_dir, "summary.json")):
+            rec["reused"] = True
+        else:
+            cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                   "-np", str(t["curve_hosts"]), *t["curve_mpi_args"],
+                   *[a for k in ("PYTHONPATH", "HGSGC_REQUIRE_CUSTOM_OPS", "TF_CPP_MIN_LOG_LEVEL")
+                     if k in os.environ for a in ("-x", k)],
+                   py, "-m", "hgsgc.cli", "train", method["config"], *rec["overrides"],
+                   f"run.out_dir={spec['runs_dir']}", f"run.id={run_id}", "train.progress=false"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=t["curve_timeout_s"], env=env)
+            if p.returncode != 0:
+                rec["error"] = _error_of(p.stdout, p.stderr, p.returncode)
+                return rec
+        run = _read_run(run_dir)
+        s = run["summary"]
+        rec["curve"] = curve_from_epochs(run["epochs"], t["metric"])
+        rec.update({"steps": s["steps"], "wall_time_s": s["wall_time_s"],
+                    "mean_step_time_s": s["mean_step_time_s"], "world_size": s["world_size"],
+                    "seed": (run["config"].get("run") or {}).get("seed"),
+                    "final_value": rec["curve"][-1]["value"] if rec["curve"] else None})
+        rec["status"] = "ok" if rec["curve"] else "failed"
+        if not rec["curve"]:
+            rec["error"] = "the run recorded no epoch"
+    except subprocess.TimeoutExpired:
+        rec["error"] = f"timeout after {t['curve_timeout_s']} s"
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        rec["run_time_s"] = time.perf_counter() - t0
+        rec["load_after"] = _load()
+    return rec
+
+
+def add_time_to_target(results: dict) -> None:
+    """Fill ``results["time_to_target"]`` from the curves and the ok cells (hgsgc.bench_ttt.combine);
+    records why when the reference curve is missing."""
+    from hgsgc.bench_ttt import combine
+
+    t = results["spec"].get("time_to_target")
+    if not t:
+        return
+    curves = {m: r["curve"] for m, r in results.get("curves", {}).items() if r.get("status") == "ok"}
+    roles = {m["name"]: m["role"] for m in results["spec"]["methods"]}
+    try:
+        results["time_to_target"] = combine(curves, results["cells"], t["reference"], t["mode"],
+                                            t.get("rel"), t.get("abs"), roles)
+    except KeyError as exc:
+        results["time_to_target"] = {"error": str(exc)}
+
+
 def _fmt_line(cell: dict) -> str:
     if cell["status"] != "ok":
         return (f"[bench] {cell['method']:<22} {cell['hosts']}h {cell['bandwidth']:>8}: FAILED "
@@ -468,7 +608,8 @@ def _fmt_line(cell: dict) -> str:
             f"step {cell['mean_step_time_s'] * 1e3:8.1f} ms, epoch {cell['time_per_epoch_s']:8.1f} s, "
             f"sent/step/rank {cell['bytes_sent_per_step_per_rank'] / 1e3:9.1f} kB (iface "
             f"{cell['iface_tx_bytes_per_step_per_rank'] / 1e3:9.1f} kB), ratio "
-            f"{cell['compression_ratio']:.1f}, acc {cell['final_test_accuracy']:.4f}")
+            f"{cell['compression_ratio']:.1f}, acc {_f(cell['final_test_accuracy'], '{:.4f}')}, "
+            f"eval {_f(cell.get('eval_time_s'), '{:.1f}')} s, load {_f((cell.get('load_before') or [None])[0])}")
 
 
 def _busiest_link_bytes(c: dict) -> float:
@@ -567,6 +708,31 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
                     f"{rec['mean_step_time_s'] * 1e3:8.1f} ms")
             else:
                 log(f"[bench] {m['name']:<22} compute-only: FAILED ({rec['error']})")
+    curve_thread = None
+    if spec.get("time_to_target"):
+        # the curves (loopback, network-independent) run in a background thread while the cells
+        # run: they share this machine's CPUs with the cells (each cell records the load average)
+        import threading
+
+        results["curves"] = {}
+        ref = spec["time_to_target"]["reference"]
+        order = [m for m in spec["methods"] if m["name"] != ref] + \
+                [m for m in spec["methods"] if m["name"] == ref]  # the reference last
+
+        def curves_job():
+            for m in order:
+                log(f"[bench] {m['name']:<22} curve: loopback run with "
+                    f"{spec['time_to_target']['curve_hosts']} ranks ...")
+                rec = run_curve(m, spec, python)
+                results["curves"][m["name"]] = rec
+                log(f"[bench] {m['name']:<22} curve: " + (
+                    f"{len(rec['curve'])} epochs, {rec['steps']} steps, final "
+                    f"{spec['time_to_target']['metric']} {rec['final_value']:.2f}"
+                    f"{' (reused)' if rec['reused'] else ''}" if rec["status"] == "ok"
+                    else f"FAILED ({rec['error']})"))
+
+        curve_thread = threading.Thread(target=curves_job, name="hgsgc-bench-curves", daemon=True)
+        curve_thread.start()
     cs = spec.get("compute_only_shared", False)
     results["compute_only_shared"] = {}
     if cs:
@@ -588,8 +754,12 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
                 log(_fmt_line(cell))
                 if on_cell is not None:
                     on_cell(results)
+    if curve_thread is not None:
+        log("[bench] cells done; waiting for the curve runs ...")
+        curve_thread.join()
     results["bench_time_s"] = time.perf_counter() - t0
     add_ratios(results)
+    add_time_to_target(results)
     return results
 
 
@@ -610,8 +780,11 @@ def markdown(results: dict) -> str:
            f"Generated by `hgsgc bench` on {results['started_utc']} ({results['machine']['cpus']} CPUs); "
            f"spec: {', '.join(spec['overrides']) or 'no overrides'}; extra mpirun args: "
            f"{' '.join(spec['mpi_args']) or 'none'}.",
-           "Time per epoch = mean step time x steps of a full 60,000-image epoch for the method's global "
-           "batch. Bytes are per rank per step: hgsgc's count (`bytes_sent_per_step_per_rank`) and the "
+           (f"Time per epoch = mean step time x {spec['full_epoch_steps']} steps (the spec's full_epoch_steps). "
+            if spec.get("full_epoch_steps") else
+            "Time per epoch = mean step time x steps of a full 60,000-image epoch for the method's global "
+            "batch. ") +
+           "Bytes are per rank per step: hgsgc's count (`bytes_sent_per_step_per_rank`) and the "
            "interface counters (mean over hosts of tx bytes during the whole mpirun / training steps, so "
            "launch, initial broadcast and evaluation are included). Accuracy is after the truncated "
            "budget only (indicative). `load` = the machine's 1-minute load average when the cell "
@@ -684,6 +857,9 @@ def markdown(results: dict) -> str:
                         (fc, "fc_recv_wait_s"), (fc, "fc_compute_s"), (fc, "fc_apply_s"),
                         (fc, "fc_send_wait_s"))]) + " |")
             out.append("")
+    from hgsgc.bench_ttt import markdown as ttt_markdown
+
+    out += ttt_markdown(results)
     out.append(f"Whole matrix: {results.get('bench_time_s', 0):.0f} s.")
     return "\n".join(out) + "\n"
 
@@ -765,7 +941,9 @@ def write_outputs(results: dict, out_dir: Optional[str] = None, name: Optional[s
     with open(paths["md"], "w") as f:
         f.write(markdown(results))
     try:
-        for i, p in enumerate(plots(results, out_dir, name)):
+        from hgsgc.bench_ttt import plots as ttt_plots
+
+        for i, p in enumerate(plots(results, out_dir, name) + ttt_plots(results, out_dir, name, _style)):
             paths[f"png{i}"] = p
     except Exception as exc:  # plotting must not lose the measured numbers
         print(f"[bench] plots failed: {exc}", file=sys.stderr)
@@ -791,6 +969,7 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
             if not isinstance(results, dict) or not isinstance(results.get("cells"), list):
                 raise ValueError("not a results file of hgsgc bench (no 'cells' list)")
             add_ratios(results)
+            add_time_to_target(results)
             paths = write_outputs(results, out_dir=out_dir or os.path.dirname(spec_path) or ".",
                                   name=out or results["name"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -812,8 +991,11 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
     partial = os.path.join(spec["out_dir"], f"{spec['name']}.partial.json")
 
     def save_partial(res):
-        with open(partial, "w") as f:
-            json.dump(res, f, indent=2, default=str)
+        try:
+            with open(partial, "w") as f:
+                json.dump(res, f, indent=2, default=str)
+        except (RuntimeError, OSError) as exc:  # the curve thread changed results meanwhile
+            print(f"[bench] partial results not saved this time: {exc}", file=sys.stderr)
 
     import signal
 

@@ -1,0 +1,146 @@
+"""Time to target (hgsgc/bench_ttt.py, issue 10 item 1): the combination of a quality-vs-steps
+curve with a measured step time, on fixed inputs with exact expected values. No runs, no clocks."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from hgsgc import bench, bench_ttt  # noqa: E402
+
+# per-epoch records as metrics.jsonl has them (steps = steps of that epoch)
+EPOCHS = {
+    "fp16": [{"epoch": 1, "steps": 50, "valid_perplexity": 900.0},
+             {"epoch": 2, "steps": 50, "valid_perplexity": 420.0},
+             {"epoch": 3, "steps": 50, "valid_perplexity": 400.0}],
+    "topk": [{"epoch": 1, "steps": 50, "valid_perplexity": 1000.0},
+             {"epoch": 2, "steps": 50, "valid_perplexity": 500.0},
+             {"epoch": 3, "steps": 50, "valid_perplexity": 450.0}],   # never <= 412
+    "psgd": [{"epoch": 1, "steps": 50, "valid_perplexity": 800.0},
+             {"epoch": 2, "steps": 50, "valid_perplexity": 430.0},
+             {"epoch": 3, "steps": 50, "valid_perplexity": 410.0}],   # reaches at epoch 3
+    "sgc": [{"epoch": 1, "steps": 50, "valid_perplexity": 700.0},
+            {"epoch": 2, "steps": 50, "valid_perplexity": 412.0},     # exactly the target: reached
+            {"epoch": 3, "steps": 50, "valid_perplexity": 390.0}],
+}
+ROLES = {"fp16": "dense", "topk": "baseline", "psgd": "baseline", "sgc": "ours"}
+
+
+def _cell(method, bw, mbit, step_s, eval_s, status="ok"):
+    return {"method": method, "hosts": 4, "bandwidth": bw, "bandwidth_mbit": mbit, "status": status,
+            "mean_step_time_s": step_s if status == "ok" else None,
+            "eval_time_s": eval_s if status == "ok" else None, "load_before": [7.5, 6.0, 5.0]}
+
+
+CELLS = [
+    _cell("fp16", "10mbit", 10.0, 20.0, 8.0), _cell("topk", "10mbit", 10.0, 2.0, 8.0),
+    _cell("psgd", "10mbit", 10.0, 1.5, 8.0), _cell("sgc", "10mbit", 10.0, 0.5, 8.0),
+    _cell("fp16", "100mbit", 100.0, 2.0, 4.0), _cell("topk", "100mbit", 100.0, 0.5, 4.0),
+    _cell("psgd", "100mbit", 100.0, 0.4, 4.0, status="failed"), _cell("sgc", "100mbit", 100.0, 0.4, 4.0),
+]
+
+
+def _combined():
+    curves = {m: bench_ttt.curve_from_epochs(e, "valid_perplexity") for m, e in EPOCHS.items()}
+    return bench_ttt.combine(curves, CELLS, "fp16", "min", rel=0.03, roles=ROLES)
+
+
+def test_target_value():
+    assert bench_ttt.target_value(400.0, "min", rel=0.03) == pytest.approx(412.0, abs=1e-12)
+    assert bench_ttt.target_value(0.9, "max", abs_=0.005) == pytest.approx(0.895, abs=1e-12)
+    with pytest.raises(ValueError, match="rel >= 0"):
+        bench_ttt.target_value(400.0, "min")
+    with pytest.raises(ValueError, match="'min' or 'max'"):
+        bench_ttt.target_value(400.0, "lowest", rel=0.03)
+
+
+def test_curve_is_cumulative_and_names_missing_keys():
+    c = bench_ttt.curve_from_epochs(list(reversed(EPOCHS["sgc"])), "valid_perplexity")
+    assert c == [{"epoch": 1, "steps": 50, "value": 700.0}, {"epoch": 2, "steps": 100, "value": 412.0},
+                 {"epoch": 3, "steps": 150, "value": 390.0}]
+    with pytest.raises(KeyError, match="epoch 2: no 'valid_perplexity'"):
+        bench_ttt.curve_from_epochs([{"epoch": 2, "steps": 5}], "valid_perplexity")
+
+
+def test_time_to_target_exact_values():
+    r = _combined()
+    assert r["target"] == pytest.approx(412.0)
+    assert r["reference_final"] == 400.0
+    rows = {(x["method"], x["bandwidth"]): x for x in r["rows"]}
+    # t(e) = steps * step_s + e * eval_s
+    fp16 = rows[("fp16", "10mbit")]
+    assert (fp16["epoch"], fp16["steps"]) == (3, 150)
+    assert fp16["time_to_target_s"] == pytest.approx(150 * 20.0 + 3 * 8.0)        # 3024
+    assert [p["time_s"] for p in fp16["wallclock"]] == pytest.approx([1008.0, 2016.0, 3024.0])
+    sgc = rows[("sgc", "10mbit")]
+    assert (sgc["epoch"], sgc["steps"]) == (2, 100)                                 # 412 <= 412
+    assert sgc["time_to_target_s"] == pytest.approx(100 * 0.5 + 2 * 8.0)           # 66
+    psgd = rows[("psgd", "10mbit")]
+    assert psgd["time_to_target_s"] == pytest.approx(150 * 1.5 + 3 * 8.0)          # 249
+    topk = rows[("topk", "10mbit")]
+    assert topk["time_to_target_s"] is None and topk["note"] == "not reached in 3 epochs (150 steps)"
+    assert topk["wallclock"][-1]["time_s"] == pytest.approx(150 * 2.0 + 3 * 8.0)
+    # ratios: the other's time / this one's
+    assert sgc["vs_reference"] == pytest.approx(3024.0 / 66.0)
+    assert sgc["vs_best_baseline"] == pytest.approx(249.0 / 66.0)
+    g10 = next(g for g in r["groups"] if g["bandwidth"] == "10mbit")
+    assert (g10["best_baseline"], g10["best_baseline_time_s"]) == ("psgd", pytest.approx(249.0))
+    assert g10["reference_time_s"] == pytest.approx(3024.0)
+    # 100 Mbit/s: PowerSGD's cell failed, so the best baseline reaching the target is fp16 itself
+    g100 = next(g for g in r["groups"] if g["bandwidth"] == "100mbit")
+    assert rows[("psgd", "100mbit")]["time_to_target_s"] is None
+    assert rows[("psgd", "100mbit")]["note"] == "no step time (the cell failed)"
+    assert (g100["best_baseline"], g100["best_baseline_time_s"]) == ("fp16", pytest.approx(150 * 2.0 + 12.0))
+    assert rows[("sgc", "100mbit")]["time_to_target_s"] == pytest.approx(100 * 0.4 + 8.0)
+    assert rows[("sgc", "100mbit")]["vs_best_baseline"] == pytest.approx(312.0 / 48.0)
+
+
+def test_max_mode_and_missing_reference():
+    curves = {"d": [{"epoch": 1, "steps": 10, "value": 0.80}, {"epoch": 2, "steps": 20, "value": 0.90}],
+              "s": [{"epoch": 1, "steps": 10, "value": 0.896}]}
+    cells = [_cell("d", "1gbit", 1000.0, 0.1, 1.0), _cell("s", "1gbit", 1000.0, 0.05, 1.0)]
+    r = bench_ttt.combine(curves, cells, "d", "max", abs_=0.005, roles={"d": "dense", "s": "ours"})
+    rows = {x["method"]: x for x in r["rows"]}
+    assert rows["d"]["time_to_target_s"] == pytest.approx(20 * 0.1 + 2 * 1.0)
+    assert rows["s"]["time_to_target_s"] == pytest.approx(10 * 0.05 + 1 * 1.0)
+    with pytest.raises(KeyError, match="no curve for the reference method 'x'"):
+        bench_ttt.combine(curves, cells, "x", "max", abs_=0.005)
+
+
+def test_spec_validation_of_time_to_target():
+    base = {"name": "t", "methods": [{"name": "a", "config": "configs/ptb_lstm/dense.yaml"}]}
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        spec = bench.load_spec(dict(base, time_to_target={"reference": "a"}))
+        t = spec["time_to_target"]
+        assert (t["metric"], t["mode"], t["rel"], t["curve_hosts"], t["reuse_curves"]) == \
+            ("valid_perplexity", "min", 0.03, 4, False)
+        with pytest.raises(bench.SpecError, match="time_to_target.reference must name one of the methods"):
+            bench.load_spec(dict(base, time_to_target={"reference": "b"}))
+        with pytest.raises(bench.SpecError, match="unknown key"):
+            bench.load_spec(dict(base, time_to_target={"reference": "a", "epochs": 3}))
+        with pytest.raises(bench.SpecError, match="mode: min takes rel"):
+            bench.load_spec(dict(base, time_to_target={"reference": "a", "abs": 0.1}))
+        with pytest.raises(bench.SpecError, match="full_epoch_steps"):
+            bench.load_spec(dict(base, full_epoch_steps=0))
+    finally:
+        os.chdir(cwd)
+
+
+def test_report_and_plots(tmp_path):
+    curves = {m: {"status": "ok", "curve": bench_ttt.curve_from_epochs(e, "valid_perplexity"),
+                  "mean_step_time_s": 0.3, "load_before": [5.0], "load_after": [6.0]}
+              for m, e in EPOCHS.items()}
+    methods = [{"name": m, "role": ROLES[m]} for m in EPOCHS]
+    results = {"spec": {"methods": methods, "time_to_target": {
+        "metric": "valid_perplexity", "mode": "min", "rel": 0.03, "curve_hosts": 4,
+        "curve_overrides": ["train.epochs=3"]}}, "curves": curves, "time_to_target": _combined()}
+    text = "\n".join(bench_ttt.markdown(results))
+    assert "**412.00**" in text
+    assert "| sgc | ours | 0.500 | 8.0 | 2 | 100 | 66.0 | 45.82x | 3.77x | 390.00 | 7.5 |  |" in text
+    assert "| topk | baseline | 2.000 | 8.0 | - | - | **not reached** |" in text
+    paths = bench_ttt.plots(results, str(tmp_path), "t", bench._style)
+    assert [os.path.basename(p) for p in paths] == ["t_ttt_curves.png", "t_ttt_vs_bw.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
