@@ -79,7 +79,7 @@ SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s"
 DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides")
 TTT_KEYS = ("metric", "mode", "reference", "rel", "abs", "curve_hosts", "curve_overrides", "curve_mpi_args",
-            "curve_timeout_s", "reuse_curves")
+            "curve_timeout_s", "reuse_curves", "eval_time")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -240,6 +240,10 @@ def _check_ttt(t, names) -> dict:
     ct = t["curve_timeout_s"]
     if isinstance(ct, bool) or not isinstance(ct, (int, float)) or ct <= 0:
         raise SpecError(f"spec: time_to_target.curve_timeout_s must be seconds > 0, got {ct!r}")
+    t.setdefault("eval_time", "group_median")
+    if t["eval_time"] not in ("cell", "group_median"):
+        raise SpecError(f"spec: time_to_target.eval_time must be 'cell' (each cell's own evaluation time) or "
+                        f"'group_median' (the median of the cell group's), got {t['eval_time']!r}")
     t.setdefault("reuse_curves", False)
     if not isinstance(t["reuse_curves"], bool):
         raise SpecError("spec: time_to_target.reuse_curves must be true or false")
@@ -595,7 +599,7 @@ def add_time_to_target(results: dict) -> None:
     roles = {m["name"]: m["role"] for m in results["spec"]["methods"]}
     try:
         results["time_to_target"] = combine(curves, results["cells"], t["reference"], t["mode"],
-                                            t.get("rel"), t.get("abs"), roles)
+                                            t.get("rel"), t.get("abs"), roles, t.get("eval_time", "group_median"))
     except KeyError as exc:
         results["time_to_target"] = {"error": str(exc)}
 

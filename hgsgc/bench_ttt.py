@@ -83,9 +83,17 @@ def wallclock_curve(curve: List[dict], step_s: float, eval_s: float) -> List[dic
     return [dict(p, time_s=_ttt(p["steps"], step_s, p["epoch"], eval_s)) for p in curve]
 
 
+def _median(xs: List[float]) -> Optional[float]:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
 def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mode: str = "min",
             rel: Optional[float] = None, abs_: Optional[float] = None,
-            roles: Optional[Dict[str, str]] = None) -> dict:
+            roles: Optional[Dict[str, str]] = None, eval_time: str = "group_median") -> dict:
     """Time to target of every method in every cell.
 
     Args:
@@ -96,6 +104,11 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
         reference: the method whose curve's last value defines the target.
         roles: method -> role ('dense', 'baseline', 'ours', 'other'): ``best_baseline`` of a cell
             group is the soonest of the dense and baseline methods that reach the target.
+        eval_time: ``'cell'``: each cell's own evaluation time; ``'group_median'``: the median of
+            the ok cells' evaluation times in the same (hosts, bandwidth) group, for every method
+            of the group (an evaluation does the same work whatever the method: a forward pass over
+            the same data and a 2-number allreduce, so the cells' differences are CPU-load noise).
+            Each row keeps its own measurement as ``eval_measured_s``.
     Returns:
         ``{"target", "reference_final", "rows": [...], "groups": [...]}``; a row per cell with
         ``epoch``, ``steps`` (to target, or None), ``time_to_target_s`` (None: not reached or no
@@ -109,13 +122,22 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
     roles = roles or {}
     if reference not in curves or not curves[reference]:
         raise KeyError(f"time to target: no curve for the reference method {reference!r}")
+    if eval_time not in ("cell", "group_median"):
+        raise ValueError(f"time to target: eval_time must be 'cell' or 'group_median', got {eval_time!r}")
     ref_final = curves[reference][-1]["value"]
     target = target_value(ref_final, mode, rel, abs_)
+    group_eval = {}
+    for c in cells:
+        if c.get("status") == "ok" and c.get("eval_time_s") is not None:
+            group_eval.setdefault((c["hosts"], c["bandwidth"]), []).append(c["eval_time_s"])
     rows = []
     for c in cells:
+        ok = c.get("status") == "ok" and c.get("eval_time_s") is not None
+        eval_s = (c.get("eval_time_s") if eval_time == "cell"
+                  else _median(group_eval.get((c["hosts"], c["bandwidth"]), []))) if ok else None
         row = {"method": c["method"], "role": roles.get(c["method"], c.get("role", "other")),
                "hosts": c["hosts"], "bandwidth": c["bandwidth"], "bandwidth_mbit": c["bandwidth_mbit"],
-               "step_s": c.get("mean_step_time_s"), "eval_s": c.get("eval_time_s"),
+               "step_s": c.get("mean_step_time_s"), "eval_s": eval_s, "eval_measured_s": c.get("eval_time_s"),
                "load": c.get("load_before"), "epoch": None, "steps": None, "time_to_target_s": None,
                "final_value": None, "wallclock": [], "note": ""}
         curve = curves.get(c["method"])
@@ -149,7 +171,7 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
         groups.append({"hosts": key[0], "bandwidth": key[1], "reference_time_s": ref_t,
                        "best_baseline": best["method"] if best else None, "best_baseline_time_s": best_t})
     return {"target": target, "reference": reference, "reference_final": ref_final, "mode": mode,
-            "rel": rel, "abs": abs_, "rows": rows, "groups": groups}
+            "rel": rel, "abs": abs_, "eval_time": eval_time, "rows": rows, "groups": groups}
 
 
 def _fmt(x, fmt="{:.1f}", none="-"):
@@ -176,7 +198,10 @@ def markdown(results: dict) -> List[str]:
            f"data order for all; overrides {', '.join(t['curve_overrides']) or 'none'}); epoch e ends after "
            "s_e steps with value v_e. On each emulated cell the method's mean step time t_step (first step, "
            "graph tracing, left out) and one evaluation's time t_eval (training wall time minus the epochs' "
-           "step loops, per evaluation) are measured. Then the end of epoch e is at "
+           "step loops, per evaluation) are measured" + (
+               "; every method of a cell group is charged the median of the group's measured evaluation "
+               "times (an evaluation is the same work whatever the method, so their differences are "
+               "CPU-load noise)" if tt.get("eval_time") == "group_median" else "") + ". Then the end of epoch e is at "
            "`t(e) = s_e * t_step + e * t_eval` on that cell's clock, and the time to target is t(e*) for "
            "the first epoch e* whose v_e meets the target; \"not reached\" when no epoch of the budget does. "
            "Ratios: the other's time / this method's time (> 1: this one is sooner).", "",
@@ -203,12 +228,13 @@ def markdown(results: dict) -> List[str]:
         out += [f"### {g['hosts']} hosts, {g['bandwidth']}", "",
                 f"Reference `{tt['reference']}`: {_fmt(g['reference_time_s'])} s; best baseline (dense and "
                 f"baseline rows reaching the target): `{g['best_baseline']}` {_fmt(g['best_baseline_time_s'])} s.", "",
-                "| method | role | step s | eval s | target at epoch | steps | time to target s | "
+                "| method | role | step s | eval s (measured) | eval s (used) | target at epoch | steps | time to target s | "
                 f"vs {tt['reference']} | vs best baseline | final value | load (1 min) | note |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append("| " + " | ".join([
-                r["method"], r["role"], _fmt(r["step_s"], "{:.3f}"), _fmt(r["eval_s"]), _fmt(r["epoch"], "{}"),
+                r["method"], r["role"], _fmt(r["step_s"], "{:.3f}"), _fmt(r.get("eval_measured_s")),
+                _fmt(r["eval_s"]), _fmt(r["epoch"], "{}"),
                 _fmt(r["steps"], "{}"),
                 _fmt(r["time_to_target_s"]) if r["time_to_target_s"] is not None else "**not reached**"
                 if r["note"].startswith("not reached") else "-",

@@ -96,6 +96,27 @@ def test_time_to_target_exact_values():
     assert rows[("sgc", "100mbit")]["vs_best_baseline"] == pytest.approx(312.0 / 48.0)
 
 
+def test_eval_time_group_median_or_per_cell():
+    curves = {m: bench_ttt.curve_from_epochs(e, "valid_perplexity") for m, e in EPOCHS.items()}
+    cells = [_cell("fp16", "10mbit", 10.0, 20.0, 9.0), _cell("topk", "10mbit", 10.0, 2.0, 3.0),
+             _cell("psgd", "10mbit", 10.0, 1.5, 5.0), _cell("sgc", "10mbit", 10.0, 0.5, 4.0),
+             _cell("sgc", "100mbit", 100.0, 0.4, 6.0)]
+    med = {r["method"] + r["bandwidth"]: r for r in
+           bench_ttt.combine(curves, cells, "fp16", "min", rel=0.03, roles=ROLES)["rows"]}
+    # median of 9, 3, 5, 4 = 4.5 for every method of the 10 Mbit/s group; 6 alone at 100 Mbit/s
+    assert [med[k]["eval_s"] for k in ("fp1610mbit", "topk10mbit", "psgd10mbit", "sgc10mbit")] == [4.5] * 4
+    assert med["sgc10mbit"]["eval_measured_s"] == 4.0
+    assert med["sgc10mbit"]["time_to_target_s"] == pytest.approx(100 * 0.5 + 2 * 4.5)
+    assert med["fp1610mbit"]["time_to_target_s"] == pytest.approx(150 * 20.0 + 3 * 4.5)
+    assert med["sgc100mbit"]["time_to_target_s"] == pytest.approx(100 * 0.4 + 2 * 6.0)
+    own = {r["method"]: r for r in bench_ttt.combine(curves, cells[:4], "fp16", "min", rel=0.03, roles=ROLES,
+                                                     eval_time="cell")["rows"]}
+    assert own["sgc"]["time_to_target_s"] == pytest.approx(100 * 0.5 + 2 * 4.0)
+    assert own["fp16"]["time_to_target_s"] == pytest.approx(150 * 20.0 + 3 * 9.0)
+    with pytest.raises(ValueError, match="eval_time must be"):
+        bench_ttt.combine(curves, cells, "fp16", "min", rel=0.03, eval_time="mean")
+
+
 def test_max_mode_and_missing_reference():
     curves = {"d": [{"epoch": 1, "steps": 10, "value": 0.80}, {"epoch": 2, "steps": 20, "value": 0.90}],
               "s": [{"epoch": 1, "steps": 10, "value": 0.896}]}
@@ -139,8 +160,8 @@ def test_report_and_plots(tmp_path):
         "curve_overrides": ["train.epochs=3"]}}, "curves": curves, "time_to_target": _combined()}
     text = "\n".join(bench_ttt.markdown(results))
     assert "**412.00**" in text
-    assert "| sgc | ours | 0.500 | 8.0 | 2 | 100 | 66.0 | 45.82x | 3.77x | 390.00 | 7.5 |  |" in text
-    assert "| topk | baseline | 2.000 | 8.0 | - | - | **not reached** |" in text
+    assert "| sgc | ours | 0.500 | 8.0 | 8.0 | 2 | 100 | 66.0 | 45.82x | 3.77x | 390.00 | 7.5 |  |" in text
+    assert "| topk | baseline | 2.000 | 8.0 | 8.0 | - | - | **not reached** |" in text
     paths = bench_ttt.plots(results, str(tmp_path), "t", bench._style)
     assert [os.path.basename(p) for p in paths] == ["t_ttt_curves.png", "t_ttt_vs_bw.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
