@@ -79,7 +79,7 @@ SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s"
 DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides")
 TTT_KEYS = ("metric", "mode", "reference", "rel", "abs", "curve_hosts", "curve_overrides", "curve_mpi_args",
-            "curve_timeout_s", "reuse_curves", "eval_time")
+            "curve_timeout_s", "reuse_curves", "eval_time", "budget_epochs")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -240,6 +240,11 @@ def _check_ttt(t, names) -> dict:
     ct = t["curve_timeout_s"]
     if isinstance(ct, bool) or not isinstance(ct, (int, float)) or ct <= 0:
         raise SpecError(f"spec: time_to_target.curve_timeout_s must be seconds > 0, got {ct!r}")
+    t.setdefault("budget_epochs", None)
+    be = t["budget_epochs"]
+    if be is not None and (isinstance(be, bool) or not isinstance(be, int) or be < 1):
+        raise SpecError(f"spec: time_to_target.budget_epochs must be an integer >= 1 (the first N epochs "
+                        f"of every curve count), got {be!r}")
     t.setdefault("eval_time", "group_median")
     if t["eval_time"] not in ("cell", "group_median"):
         raise SpecError(f"spec: time_to_target.eval_time must be 'cell' (each cell's own evaluation time) or "
@@ -269,7 +274,8 @@ def _read_run(run_dir: str) -> dict:
     epochs = []
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            epochs = [json.loads(ln) for ln in f if ln.strip()]
+            # per-epoch records only (step lines, "kind": "step", every log_every_steps, dropped)
+            epochs = [r for r in (json.loads(ln) for ln in f if ln.strip()) if r.get("kind") != "step"]
     return {"summary": summary, "config": cfg, "epochs": epochs}
 
 
@@ -536,14 +542,53 @@ def curve_run_id(spec: dict, method: dict) -> str:
     return f"{spec['name']}-curve-{method['name']}"
 
 
+def _curve_of_run(run_dir: str, t: dict) -> dict:
+    """A finished curve run's record: its per-epoch ``t['metric']`` (the first ``budget_epochs``
+    epochs when set: with a step learning-rate schedule by epoch, they are exactly a shorter run)."""
+    from hgsgc.bench_ttt import curve_from_epochs
+
+    run = _read_run(run_dir)
+    s = run["summary"]
+    curve = curve_from_epochs(run["epochs"], t["metric"])
+    if t.get("budget_epochs"):
+        curve = [p for p in curve if p["epoch"] <= t["budget_epochs"]]
+    rec = {"curve": curve, "run_epochs": len(run["epochs"]), "steps": curve[-1]["steps"] if curve else 0,
+           "wall_time_s": s["wall_time_s"], "mean_step_time_s": s["mean_step_time_s"],
+           "world_size": s["world_size"], "seed": (run["config"].get("run") or {}).get("seed"),
+           "final_value": curve[-1]["value"] if curve else None,
+           "status": "ok" if curve else "failed", "error": None if curve else "the run recorded no epoch"}
+    return rec
+
+
+def load_curves(results: dict) -> None:
+    """Re-rendering with ``reuse_curves``: read every method's finished curve run from
+    ``runs_dir`` (never runs anything); a missing run is recorded as failed with the reason."""
+    spec = results["spec"]
+    t = spec.get("time_to_target")
+    if not t or not t.get("reuse_curves"):
+        return
+    curves = results.setdefault("curves", {})
+    for m in spec["methods"]:
+        run_id = curve_run_id(spec, m)
+        run_dir = os.path.join(spec["runs_dir"], run_id)
+        if not os.path.exists(os.path.join(run_dir, "summary.json")):
+            if m["name"] not in curves:
+                curves[m["name"]] = {"method": m["name"], "run_id": run_id, "status": "failed",
+                                     "error": f"no finished run in {run_dir}"}
+            continue
+        rec = dict(curves.get(m["name"]) or {}, method=m["name"], run_id=run_id,
+                   overrides=[*m["overrides"], *t["curve_overrides"]], hosts=t["curve_hosts"])
+        rec.setdefault("reused", True)
+        rec.update(_curve_of_run(run_dir, t))
+        curves[m["name"]] = rec
+
+
 def run_curve(method: dict, spec: dict, python: Optional[str] = None) -> dict:
     """The quality-vs-steps curve of one method: a plain ``mpirun -np curve_hosts`` run on this
     machine (loopback; the curve does not depend on the network), with the method's config and
     ``overrides`` plus ``time_to_target.curve_overrides`` (NOT the spec's cell overrides nor the
     method's ``cell_overrides``). With ``reuse_curves``, a finished run of the same id in
     ``runs_dir`` (its summary.json exists) is read instead of run again (recorded as ``reused``)."""
-    from hgsgc.bench_ttt import curve_from_epochs
-
     t = spec["time_to_target"]
     py = python or sys.executable
     run_id = curve_run_id(spec, method)
@@ -567,16 +612,7 @@ def run_curve(method: dict, spec: dict, python: Optional[str] = None) -> dict:
             if p.returncode != 0:
                 rec["error"] = _error_of(p.stdout, p.stderr, p.returncode)
                 return rec
-        run = _read_run(run_dir)
-        s = run["summary"]
-        rec["curve"] = curve_from_epochs(run["epochs"], t["metric"])
-        rec.update({"steps": s["steps"], "wall_time_s": s["wall_time_s"],
-                    "mean_step_time_s": s["mean_step_time_s"], "world_size": s["world_size"],
-                    "seed": (run["config"].get("run") or {}).get("seed"),
-                    "final_value": rec["curve"][-1]["value"] if rec["curve"] else None})
-        rec["status"] = "ok" if rec["curve"] else "failed"
-        if not rec["curve"]:
-            rec["error"] = "the run recorded no epoch"
+        rec.update(_curve_of_run(run_dir, t))
     except subprocess.TimeoutExpired:
         rec["error"] = f"timeout after {t['curve_timeout_s']} s"
     except Exception as exc:
@@ -973,6 +1009,7 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
             if not isinstance(results, dict) or not isinstance(results.get("cells"), list):
                 raise ValueError("not a results file of hgsgc bench (no 'cells' list)")
             add_ratios(results)
+            load_curves(results)
             add_time_to_target(results)
             paths = write_outputs(results, out_dir=out_dir or os.path.dirname(spec_path) or ".",
                                   name=out or results["name"])

@@ -53,13 +53,14 @@ def target_value(ref_final: float, mode: str = "min", rel: Optional[float] = Non
 
 def curve_from_epochs(epochs: List[dict], metric: str) -> List[dict]:
     """``[{epoch, steps, value}]`` (``steps`` cumulative) from a run's per-epoch records
-    (metrics.jsonl lines with ``epoch``, ``steps`` = steps of that epoch, and ``metric``).
+    (metrics.jsonl lines with ``epoch``, ``steps`` = steps of that epoch, and ``metric``; step
+    lines, ``"kind": "step"``, are skipped).
 
     Raises:
         KeyError: a record lacks ``metric`` or ``steps`` (the message names the epoch and key).
     """
     out, total = [], 0
-    for rec in sorted(epochs, key=lambda r: int(r["epoch"])):
+    for rec in sorted((r for r in epochs if r.get("kind") != "step"), key=lambda r: int(r["epoch"])):
         for key in ("steps", metric):
             if rec.get(key) is None:
                 raise KeyError(f"epoch {rec.get('epoch')}: no '{key}' in the run's metrics.jsonl")
@@ -195,7 +196,9 @@ def markdown(results: dict) -> List[str]:
            "",
            "How the two measurements are combined (hgsgc/bench_ttt.py): the curve of each method "
            f"comes from a loopback run (`mpirun -np {t['curve_hosts']}` on this machine, the same seed and "
-           f"data order for all; overrides {', '.join(t['curve_overrides']) or 'none'}); epoch e ends after "
+           f"data order for all; overrides {', '.join(t['curve_overrides']) or 'none'}"
+           + (f"; the first {t['budget_epochs']} epochs count" if t.get("budget_epochs") else "")
+           + "); epoch e ends after "
            "s_e steps with value v_e. On each emulated cell the method's mean step time t_step (first step, "
            "graph tracing, left out) and one evaluation's time t_eval (training wall time minus the epochs' "
            "step loops, per evaluation) are measured" + (

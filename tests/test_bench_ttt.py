@@ -56,7 +56,8 @@ def test_target_value():
 
 
 def test_curve_is_cumulative_and_names_missing_keys():
-    c = bench_ttt.curve_from_epochs(list(reversed(EPOCHS["sgc"])), "valid_perplexity")
+    step_line = {"kind": "step", "step": 100, "epoch": 2, "train_loss": 6.1}
+    c = bench_ttt.curve_from_epochs(list(reversed(EPOCHS["sgc"])) + [step_line], "valid_perplexity")
     assert c == [{"epoch": 1, "steps": 50, "value": 700.0}, {"epoch": 2, "steps": 100, "value": 412.0},
                  {"epoch": 3, "steps": 150, "value": 390.0}]
     with pytest.raises(KeyError, match="epoch 2: no 'valid_perplexity'"):
@@ -165,3 +166,29 @@ def test_report_and_plots(tmp_path):
     paths = bench_ttt.plots(results, str(tmp_path), "t", bench._style)
     assert [os.path.basename(p) for p in paths] == ["t_ttt_curves.png", "t_ttt_vs_bw.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_curve_of_a_run_dir_with_budget(tmp_path):
+    """A finished curve run (summary.json + metrics.jsonl, step lines mixed in) read back, longer
+    than the budget: only the first budget_epochs epochs count; a missing run is recorded."""
+    import json
+
+    run = tmp_path / "runs" / "t-curve-a"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"wall_time_s": 100.0, "mean_step_time_s": 0.25,
+                                                  "world_size": 4}))
+    (run / "config.json").write_text(json.dumps({"run": {"seed": 42}}))
+    lines = [{"kind": "step", "step": 100, "epoch": 3, "train_loss": 6.0}] + [{"epoch": e, "steps": 48, "valid_perplexity": 1000.0 / e}
+                                          for e in (1, 2, 3, 4)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    t = {"metric": "valid_perplexity", "budget_epochs": 3, "reuse_curves": True, "curve_overrides": [],
+         "curve_hosts": 4}
+    spec = {"name": "t", "runs_dir": str(tmp_path / "runs"), "time_to_target": t,
+            "methods": [{"name": "a", "overrides": []}, {"name": "b", "overrides": []}]}
+    results = {"spec": spec}
+    bench.load_curves(results)
+    a, b = results["curves"]["a"], results["curves"]["b"]
+    assert a["status"] == "ok" and a["reused"] is True and a["run_epochs"] == 4 and a["seed"] == 42
+    assert [p["steps"] for p in a["curve"]] == [48, 96, 144]
+    assert a["final_value"] == pytest.approx(1000.0 / 3) and a["steps"] == 144
+    assert b["status"] == "failed" and b["error"].startswith("no finished run in ")
