@@ -707,7 +707,9 @@ def add_ratios(results: dict) -> None:
         for c in ok:
             c["vs_dense"] = c["time_per_epoch_s"] / d["time_per_epoch_s"] if d else None
             c["vs_best_baseline"] = c["time_per_epoch_s"] / b["time_per_epoch_s"] if b else None
-            c["accuracy_minus_dense"] = (c["final_test_accuracy"] - d["final_test_accuracy"]) if d else None
+            c["accuracy_minus_dense"] = (c["final_test_accuracy"] - d["final_test_accuracy"]
+                                         if d and c.get("final_test_accuracy") is not None
+                                         and d.get("final_test_accuracy") is not None else None)
             co = results.get("compute_only", {}).get(c["method"])
             c["vs_compute_only"] = (c["mean_step_time_s"] / co["mean_step_time_s"]
                                     if co and co.get("status") == "ok" and co["mean_step_time_s"] else None)
@@ -899,8 +901,10 @@ def markdown(results: dict) -> str:
             out.append("")
     from hgsgc.bench_ttt import markdown as ttt_markdown
 
+    if results.get("provenance"):
+        out += ["How this file's measurements were made: " + results["provenance"], ""]
     out += ttt_markdown(results)
-    out.append(f"Whole matrix: {results.get('bench_time_s', 0):.0f} s.")
+    out.append(f"Whole matrix: {results.get('bench_time_s') or 0:.0f} s.")
     return "\n".join(out) + "\n"
 
 
