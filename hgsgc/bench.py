@@ -543,26 +543,45 @@ def curve_run_id(spec: dict, method: dict) -> str:
 
 
 def _curve_of_run(run_dir: str, t: dict) -> dict:
-    """A finished curve run's record: its per-epoch ``t['metric']`` (the first ``budget_epochs``
-    epochs when set: with a step learning-rate schedule by epoch, they are exactly a shorter run)."""
+    """A curve run's record: its per-epoch ``t['metric']`` (the first ``budget_epochs`` epochs when
+    set: with a step learning-rate schedule by epoch, they are exactly a shorter run). A run
+    without summary.json (stopped after the budget, or still running) gives the epochs it wrote:
+    ``complete`` says whether they cover the budget (an incomplete curve can still show that a
+    method reached the target; it cannot show that it did not)."""
     from hgsgc.bench_ttt import curve_from_epochs
 
-    run = _read_run(run_dir)
+    has_summary = os.path.exists(os.path.join(run_dir, "summary.json"))
+    if has_summary:
+        run = _read_run(run_dir)
+    else:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+        cfg = {}
+        if os.path.exists(os.path.join(run_dir, "config.json")):
+            with open(os.path.join(run_dir, "config.json")) as f:
+                cfg = json.load(f)
+        run = {"summary": {}, "config": cfg, "epochs": [r for r in lines if r.get("kind") != "step"]}
     s = run["summary"]
     curve = curve_from_epochs(run["epochs"], t["metric"])
     if t.get("budget_epochs"):
         curve = [p for p in curve if p["epoch"] <= t["budget_epochs"]]
+    budget = t.get("budget_epochs") or (len(curve) if has_summary else None)
     rec = {"curve": curve, "run_epochs": len(run["epochs"]), "steps": curve[-1]["steps"] if curve else 0,
-           "wall_time_s": s["wall_time_s"], "mean_step_time_s": s["mean_step_time_s"],
-           "world_size": s["world_size"], "seed": (run["config"].get("run") or {}).get("seed"),
+           "run_finished": has_summary, "complete": bool(budget) and len(curve) >= budget,
+           "wall_time_s": s.get("wall_time_s"),
+           "mean_step_time_s": s.get("mean_step_time_s") or (
+               sum(e.get("mean_step_time_s") or 0.0 for e in run["epochs"]) / len(run["epochs"])
+               if run["epochs"] else None),
+           "world_size": s.get("world_size"), "seed": (run["config"].get("run") or {}).get("seed"),
            "final_value": curve[-1]["value"] if curve else None,
            "status": "ok" if curve else "failed", "error": None if curve else "the run recorded no epoch"}
     return rec
 
 
 def load_curves(results: dict) -> None:
-    """Re-rendering with ``reuse_curves``: read every method's finished curve run from
-    ``runs_dir`` (never runs anything); a missing run is recorded as failed with the reason."""
+    """Re-rendering with ``reuse_curves``: read every method's curve run from ``runs_dir`` (never
+    runs anything; a run without summary.json counts with the epochs it wrote, see
+    :func:`_curve_of_run`); a missing run is recorded as failed with the reason."""
     spec = results["spec"]
     t = spec.get("time_to_target")
     if not t or not t.get("reuse_curves"):
@@ -571,10 +590,10 @@ def load_curves(results: dict) -> None:
     for m in spec["methods"]:
         run_id = curve_run_id(spec, m)
         run_dir = os.path.join(spec["runs_dir"], run_id)
-        if not os.path.exists(os.path.join(run_dir, "summary.json")):
+        if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
             if m["name"] not in curves:
                 curves[m["name"]] = {"method": m["name"], "run_id": run_id, "status": "failed",
-                                     "error": f"no finished run in {run_dir}"}
+                                     "error": f"no curve run in {run_dir}"}
             continue
         rec = dict(curves.get(m["name"]) or {}, method=m["name"], run_id=run_id,
                    overrides=[*m["overrides"], *t["curve_overrides"]], hosts=t["curve_hosts"])
@@ -635,7 +654,8 @@ def add_time_to_target(results: dict) -> None:
     roles = {m["name"]: m["role"] for m in results["spec"]["methods"]}
     try:
         results["time_to_target"] = combine(curves, results["cells"], t["reference"], t["mode"],
-                                            t.get("rel"), t.get("abs"), roles, t.get("eval_time", "group_median"))
+                                            t.get("rel"), t.get("abs"), roles, t.get("eval_time", "group_median"),
+                                            t.get("budget_epochs"))
     except KeyError as exc:
         results["time_to_target"] = {"error": str(exc)}
 

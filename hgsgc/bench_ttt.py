@@ -94,7 +94,8 @@ def _median(xs: List[float]) -> Optional[float]:
 
 def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mode: str = "min",
             rel: Optional[float] = None, abs_: Optional[float] = None,
-            roles: Optional[Dict[str, str]] = None, eval_time: str = "group_median") -> dict:
+            roles: Optional[Dict[str, str]] = None, eval_time: str = "group_median",
+            budget_epochs: Optional[int] = None) -> dict:
     """Time to target of every method in every cell.
 
     Args:
@@ -110,6 +111,8 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
             of the group (an evaluation does the same work whatever the method: a forward pass over
             the same data and a 2-number allreduce, so the cells' differences are CPU-load noise).
             Each row keeps its own measurement as ``eval_measured_s``.
+        budget_epochs: the epochs of the budget; a curve shorter than that which does not reach the
+            target is "not reached in its first N epochs (incomplete)", not "not reached".
     Returns:
         ``{"target", "reference_final", "rows": [...], "groups": [...]}``; a row per cell with
         ``epoch``, ``steps`` (to target, or None), ``time_to_target_s`` (None: not reached or no
@@ -151,7 +154,10 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
             row["final_value"] = curve[-1]["value"]
             row["wallclock"] = wallclock_curve(curve, row["step_s"], row["eval_s"])
             hit = first_reaching(curve, target, mode)
-            if hit is None:
+            if hit is None and budget_epochs and len(curve) < budget_epochs:
+                row["note"] = (f"incomplete curve: not reached in its first {len(curve)} of {budget_epochs} "
+                               f"epochs")
+            elif hit is None:
                 row["note"] = f"not reached in {curve[-1]['epoch']} epochs ({curve[-1]['steps']} steps)"
             else:
                 row["epoch"], row["steps"] = hit["epoch"], hit["steps"]
@@ -222,7 +228,9 @@ def markdown(results: dict) -> List[str]:
         out += ["", "Curve runs (loopback; their step times are NOT used): " + "; ".join(
             f"`{m}` {_fmt(curves[m].get('mean_step_time_s') and curves[m]['mean_step_time_s'] * 1e3)} ms/step, "
             f"load {_fmt((curves[m].get('load_before') or [None])[0])}-{_fmt((curves[m].get('load_after') or [None])[0])}"
-            f"{' (reused run)' if curves[m].get('reused') else ''}" for m in names) + "."]
+            f"{' (reused run)' if curves[m].get('reused') else ''}"
+            f"{'' if curves[m].get('run_finished', True) else ', run stopped after ' + str(curves[m].get('run_epochs')) + ' epochs'}"
+            f"{'' if curves[m].get('complete', True) else ' (INCOMPLETE curve)'}" for m in names) + "."]
     if failed:
         out += ["", "Failed curve runs: " + "; ".join(failed)]
     out.append("")

@@ -191,4 +191,26 @@ def test_curve_of_a_run_dir_with_budget(tmp_path):
     assert a["status"] == "ok" and a["reused"] is True and a["run_epochs"] == 4 and a["seed"] == 42
     assert [p["steps"] for p in a["curve"]] == [48, 96, 144]
     assert a["final_value"] == pytest.approx(1000.0 / 3) and a["steps"] == 144
-    assert b["status"] == "failed" and b["error"].startswith("no finished run in ")
+    assert b["status"] == "failed" and b["error"].startswith("no curve run in ")
+    assert a["complete"] is True and a["run_finished"] is True
+    # a run stopped before the end (no summary.json): the epochs it wrote, flagged incomplete
+    (run / "summary.json").unlink()
+    t["budget_epochs"] = 6
+    results = {"spec": spec}
+    bench.load_curves(results)
+    a = results["curves"]["a"]
+    assert a["status"] == "ok" and a["run_finished"] is False and a["complete"] is False
+    assert [p["steps"] for p in a["curve"]] == [48, 96, 144, 192]
+
+
+def test_incomplete_curve_is_not_called_not_reached():
+    curves = {"d": [{"epoch": 1, "steps": 10, "value": 100.0}, {"epoch": 2, "steps": 20, "value": 90.0}],
+              "s": [{"epoch": 1, "steps": 10, "value": 200.0}],            # 1 of 2 epochs, not there
+              "q": [{"epoch": 1, "steps": 10, "value": 92.0}]}             # 1 of 2 epochs, reached
+    cells = [_cell(m, "10mbit", 10.0, 1.0, 2.0) for m in ("d", "s", "q")]
+    rows = {r["method"]: r for r in bench_ttt.combine(curves, cells, "d", "min", rel=0.03,
+                                                      budget_epochs=2)["rows"]}
+    assert rows["s"]["time_to_target_s"] is None
+    assert rows["s"]["note"] == "incomplete curve: not reached in its first 1 of 2 epochs"
+    assert rows["q"]["time_to_target_s"] == pytest.approx(10 * 1.0 + 1 * 2.0)
+    assert rows["d"]["time_to_target_s"] == pytest.approx(20 * 1.0 + 2 * 2.0)
