@@ -924,7 +924,8 @@ def markdown(results: dict) -> str:
     if results.get("provenance"):
         out += ["How this file's measurements were made: " + results["provenance"], ""]
     out += ttt_markdown(results)
-    out.append(f"Whole matrix: {results.get('bench_time_s') or 0:.0f} s.")
+    if results.get("bench_time_s") is not None:
+        out.append(f"Whole matrix: {results['bench_time_s']:.0f} s.")
     return "\n".join(out) + "\n"
 
 

@@ -227,7 +227,8 @@ def markdown(results: dict) -> List[str]:
                 for m in names) + " |")
         out += ["", "Curve runs (loopback; their step times are NOT used): " + "; ".join(
             f"`{m}` {_fmt(curves[m].get('mean_step_time_s') and curves[m]['mean_step_time_s'] * 1e3)} ms/step, "
-            f"load {_fmt((curves[m].get('load_before') or [None])[0])}-{_fmt((curves[m].get('load_after') or [None])[0])}"
+            f"load {_fmt((curves[m].get('load_before') or [None])[0])}"
+            f"{'-' + _fmt(curves[m]['load_after'][0]) if curves[m].get('load_after') else ''}"
             f"{' (reused run)' if curves[m].get('reused') else ''}"
             f"{'' if curves[m].get('run_finished', True) else ', run stopped after ' + str(curves[m].get('run_epochs')) + ' epochs'}"
             f"{'' if curves[m].get('complete', True) else ' (INCOMPLETE curve)'}" for m in names) + "."]
