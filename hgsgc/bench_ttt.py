@@ -266,6 +266,7 @@ def plots(results: dict, out_dir: str, name: str, style) -> List[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tt = results.get("time_to_target")
     if not tt or "error" in tt or not tt["groups"]:
@@ -284,6 +285,7 @@ def plots(results: dict, out_dir: str, name: str, style) -> List[str]:
         ax.axhline(tt["target"], color="k", linestyle=":", linewidth=1, label=f"target {tt['target']:.1f}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("wall-clock time on the emulated cell (s)")
         ax.set_ylabel(metric)
         ax.set_title(f"{g['hosts']} hosts, {g['bandwidth']}")
@@ -300,8 +302,12 @@ def plots(results: dict, out_dir: str, name: str, style) -> List[str]:
     for m in methods:
         pts = sorted((r["bandwidth_mbit"], r["time_to_target_s"]) for r in tt["rows"]
                      if r["method"] == m and r["time_to_target_s"] is not None)
-        missing = [r["bandwidth"] for r in tt["rows"] if r["method"] == m and r["time_to_target_s"] is None]
-        label = m + (f" (not reached: {', '.join(missing)})" if missing else "")
+        missing = [r["bandwidth"] for r in tt["rows"] if r["method"] == m and r["time_to_target_s"] is None
+                   and r["note"].startswith("not reached")]
+        other = [r["bandwidth"] for r in tt["rows"] if r["method"] == m and r["time_to_target_s"] is None
+                 and not r["note"].startswith("not reached")]
+        label = m + (f" (not reached: {', '.join(missing)})" if missing else "") + \
+            (f" (no result: {', '.join(other)})" if other else "")
         if pts:
             ax.plot([q[0] for q in pts], [q[1] for q in pts], label=label, **style(methods.index(m)))
         else:
