@@ -109,11 +109,10 @@ class ValueCodec:
         Raises:
             FloatingPointError: a value (fp16) or a scale (q8/q4) beyond float16's range.
         """
-        v = x[mask] if mask is not None else x.reshape(-1)
-        f = x.shape[1]
-        if self.kind == "fp32":
-            return np.ascontiguousarray(v, np.float32).view(np.uint8)
-        if self.kind == "fp16":
+        if self.kind in ("fp32", "fp16"):
+            v = np.compress(mask.reshape(-1), x) if mask is not None else x.reshape(-1)
+            if self.kind == "fp32":
+                return np.ascontiguousarray(v, np.float32).view(np.uint8)
             with np.errstate(over="ignore"):
                 h = v.astype(np.float16)
             if not np.all(np.isfinite(h)) and np.all(np.isfinite(v)):
@@ -124,25 +123,38 @@ class ValueCodec:
         lo, hi = self.scales(x, mask)
         delta = self.step(lo, hi)
         L = (1 << self.bits) - 1
-        feat = np.nonzero(mask)[1] if mask is not None else np.tile(np.arange(f), x.shape[0])
-        d = delta[feat]
-        t = np.where(d > 0, (v - lo.astype(np.float32)[feat]) / np.where(d > 0, d, 1), 0)
-        codes = np.clip(np.floor(t + rng.random(t.shape, dtype=np.float32)), 0, L).astype(np.uint8)
+        # t = (x - lo_j) / Delta_j (0 where Delta_j = 0) on the whole [r, f] array with the
+        # per-feature scales broadcast (the same float32 operations per entry as on the sent
+        # entries alone), then the sent entries in row-major order: no index list is built
+        pos = delta > 0
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # unsent entries only
+            t = np.where(pos, (x - lo.astype(np.float32)) / np.where(pos, delta, 1), 0)
+        t = np.compress(mask.reshape(-1), t) if mask is not None else t.reshape(-1)
+        codes = np.floor(t + rng.random(t.shape, dtype=np.float32))
+        codes = np.clip(codes, 0, L, out=codes).astype(np.uint8)
+        n = len(codes)
+        out = np.empty(4 * x.shape[1] + (n * self.bits + 7) // 8, np.uint8)
+        f = x.shape[1]
+        out[:2 * f] = lo.view(np.uint8)
+        out[2 * f:4 * f] = hi.view(np.uint8)
         if self.bits == 4:
-            if len(codes) % 2:
-                codes = np.append(codes, np.uint8(0))
-            codes = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
-        return np.concatenate([lo.view(np.uint8), hi.view(np.uint8), codes])
+            body = out[4 * f:]
+            body[:n // 2] = codes[0:n - 1:2] | (codes[1::2] << 4)
+            if n % 2:
+                body[-1] = codes[-1]
+        else:
+            out[4 * f:] = codes
+        return out
 
     def scales(self, x: np.ndarray, mask: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
         """Per-feature ``(lo, hi)`` float16 ``[f]``: min rounded down, max rounded up (0 for a
         feature without values)."""
         if mask is None:
             lo, hi = x.min(0), x.max(0)
-        else:
+        else:  # min / max over each feature's sent entries; +-inf (then 0) where there are none
             lo = np.where(mask, x, np.inf).min(0)
             hi = np.where(mask, x, -np.inf).max(0)
-            empty = ~mask.any(0)
+            empty = lo > hi  # +inf > -inf: no sent entry (NaN compares False, as a value)
             lo[empty] = 0
             hi[empty] = 0
         lo16, hi16 = _fp16_down(lo.astype(np.float32)), _fp16_up(hi.astype(np.float32))
@@ -175,6 +187,42 @@ class ValueCodec:
         else:
             codes = body[:n]
         return lo.astype(np.float32)[feat] + codes.astype(np.float32) * delta[feat]
+
+    def decode_array(self, buf: np.ndarray, rows: int, f: int, mask: Optional[np.ndarray]) -> np.ndarray:
+        """Inverse of :meth:`encode` as a whole ``[rows, f]`` float32 array: the sent entries
+        (``mask`` bool ``[rows, f]`` row-major, or all when None) decoded, the others 0.
+
+        Same values bit for bit as scattering :meth:`decode` into zeros (the quantizers compute
+        ``lo_j + c Delta_j`` on the whole array with the scales broadcast: the same float32
+        operations per entry), without building the list of features.
+        """
+        n = rows * f if mask is None else int(np.count_nonzero(mask))
+        if self.kind in ("fp32", "fp16"):
+            v = buf[:4 * n].view(np.float32) if self.kind == "fp32" else buf[:2 * n].view(np.float16)
+            if mask is None:
+                return v.astype(np.float32).reshape(rows, f)
+            out = np.zeros(rows * f, np.float32)
+            out[np.flatnonzero(mask)] = v  # row-major, like the encoder's selection
+            return out.reshape(rows, f)
+        lo = buf[:2 * f].view(np.float16)
+        hi = buf[2 * f:4 * f].view(np.float16)
+        delta = self.step(lo, hi)
+        body = buf[4 * f:]
+        if self.bits == 4:
+            codes = np.empty(2 * len(body), np.uint8)
+            codes[0::2] = body & 15
+            codes[1::2] = body >> 4
+            codes = codes[:n]
+        else:
+            codes = body[:n]
+        if mask is None:
+            c = codes.reshape(rows, f)
+        else:
+            c = np.zeros(rows * f, np.uint8)
+            c[np.flatnonzero(mask)] = codes  # row-major, like the encoder's selection
+            c = c.reshape(rows, f)
+        out = lo.astype(np.float32) + c.astype(np.float32) * delta
+        return out if mask is None else np.where(mask, out, np.float32(0))
 
 
 @dataclass(frozen=True)
@@ -260,18 +308,14 @@ class BoundaryCodec:
         None)``; the mask is the bitmap's non-zero pattern (sparse activations) or the given one."""
         n = rows * features
         if not self.sparse:
-            feat = np.tile(np.arange(features), rows)
-            return self.values.decode(buf, n, feat, features).reshape(rows, features), None
+            return self.values.decode_array(buf, rows, features, None), None
         if mask is None:
             nb = math.ceil(n / 8)
-            mask = np.unpackbits(buf[:nb], count=n).astype(bool).reshape(rows, features)
+            mask = np.unpackbits(buf[:nb], count=n).view(bool).reshape(rows, features)
             buf = buf[nb:]
         else:
             mask = mask.reshape(rows, features)
-        out = np.zeros((rows, features), np.float32)
-        feat = np.nonzero(mask)[1]
-        out[mask] = self.values.decode(buf, len(feat), feat, features)
-        return out, mask
+        return self.values.decode_array(buf, rows, features, mask), mask
 
     def error_bound(self, x: np.ndarray, mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Per-entry bound on ``|decode(encode(x)) - x|`` for ``x [r, f]`` (float32 ``[r, f]``).

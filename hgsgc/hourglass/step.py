@@ -58,6 +58,8 @@ WIRE_DTYPES = ("float32", "float16")
 # seconds spent per phase (time.perf_counter), see HourglassTrainer.phase_times()
 PHASE_KEYS = ("conv_wait_s", "fc_recv_wait_s", "fc_compute_s", "fc_apply_s", "fc_send_wait_s",
               "codec_s")
+# boundary codec work per direction and operation (see HourglassTrainer.codec_times())
+CODEC_KEYS = ("encode_act", "decode_act", "encode_grad", "decode_grad")
 EXCHANGE_KEYS = ("exchanges", "gradient_bytes", "payload_bytes", "bytes_sent", "bytes_received",
                  "dense_bytes", "messages")
 
@@ -163,6 +165,8 @@ class HourglassTrainer:
         self.a_scale = C / self.global_batch           # dA: (C / B) dl/dA = (1 / b) dl/dA
         self.counts: Dict[str, int] = {k: 0 for k in P2P_KEYS}
         self.times: Dict[str, float] = {k: 0.0 for k in PHASE_KEYS}
+        self._codec_t = {k: [0, 0.0, 0.0] for k in CODEC_KEYS}  # calls, wall s, thread CPU s
+        self.trace = None  # a list: _mark appends (label, perf_counter, process_time, thread_time)
         self.steps = 0
         self._train_loss = np.zeros(2)  # FC ranks: sum of example losses, examples
         self._build()
@@ -241,16 +245,40 @@ class HourglassTrainer:
 
         return micro_batch_bounds(self.batch_size, self.micro_batches)
 
-    def _encode(self, codec, x, mask=None):
-        t0 = time.perf_counter()
-        out = codec.encode(x, self.rng, mask=mask)
-        self.times["codec_s"] += time.perf_counter() - t0
+    def _mark(self, label):
+        if self.trace is not None:
+            self.trace.append((label, time.perf_counter(), time.process_time(), time.thread_time()))
+
+    def _timed_codec(self, key, fn, *args, **kw):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kw)
+        t1, c1 = time.perf_counter(), time.thread_time()
+        self.times["codec_s"] += t1 - t0
+        rec = self._codec_t[key]
+        rec[0] += 1
+        rec[1] += t1 - t0
+        rec[2] += c1 - c0
         return out
 
+    def _encode(self, codec, x, mask=None):
+        key = "encode_act" if self.is_conv else "encode_grad"
+        return self._timed_codec(key, codec.encode, x, self.rng, mask=mask)
+
     def _decode(self, codec, buf, rows, mask=None):
-        t0 = time.perf_counter()
-        out = codec.decode(buf, rows, self.features, mask=mask)
-        self.times["codec_s"] += time.perf_counter() - t0
+        key = "decode_grad" if self.is_conv else "decode_act"
+        return self._timed_codec(key, codec.decode, buf, rows, self.features, mask=mask)
+
+    def codec_times(self, reset: bool = False) -> Dict[str, Dict[str, float]]:
+        """This rank's boundary codec work since the last reset, per :data:`CODEC_KEYS` entry
+        (CONV ranks: ``encode_act``, ``decode_grad``; FC ranks: ``decode_act``, ``encode_grad``;
+        one call = one micro-batch of one CONV rank): ``{"calls": int, "wall_s": float,
+        "cpu_s": float}``, wall = ``time.perf_counter``, cpu = ``time.thread_time`` of the
+        calling thread (the codec is single-threaded numpy), so the CPU figure does not count
+        time this process waited for a core on a loaded machine. Training steps only."""
+        out = {k: {"calls": int(v[0]), "wall_s": float(v[1]), "cpu_s": float(v[2])}
+               for k, v in self._codec_t.items()}
+        if reset:
+            self._codec_t = {k: [0, 0.0, 0.0] for k in CODEC_KEYS}
         return out
 
     def _conv_send(self, a, y, j):
@@ -259,6 +287,7 @@ class HourglassTrainer:
         after the micro-batch's forward pass). Micro-batches go as consecutive messages with the
         same tags (MPI keeps their order)."""
         j = int(j)
+        self._mark(f"send_enter {j}")
         if j == 0:
             self._pending = []
         rows = a.shape[0]
@@ -278,11 +307,13 @@ class HourglassTrainer:
         c["label_bytes_sent"] += yy.nbytes
         c["activation_grad_bytes_received"] += g_buf.nbytes
         c["p2p_messages"] += 3
+        self._mark(f"send_exit {j}")
         return np.int32(j)
 
     def _conv_recv(self, j):
         """CONV rank, micro-batch ``j``: wait for its activation gradients, decode them."""
         reqs, payload, yy, g_buf, mask, flat = self._pending[int(j)]
+        self._mark(f"recv_enter {int(j)}")
         t0 = time.perf_counter()
         fc = self.layout.my_fc
         try:  # the FC rank sends dA once it has every CONV rank's activations: 1.5 T
@@ -293,10 +324,12 @@ class HourglassTrainer:
             self._fault = exc  # TensorFlow wraps it; train_step raises it as is
             raise
         self.times["conv_wait_s"] += time.perf_counter() - t0
+        self._mark(f"recv_waited {int(j)}")
         g, _ = self._decode(self.grad_codec, g_buf, flat.shape[0], mask=mask)
         if self.record:  # (micro-batch, tensor)
             self.recorded.setdefault("a", []).append((int(j), flat.copy()))
             self.recorded.setdefault("g_dec", []).append((int(j), g.copy()))
+        self._mark(f"recv_exit {int(j)}")
         return g.reshape((flat.shape[0],) + self.a_shape).astype(self.a_dtype, copy=False)
 
     def _fc_step(self) -> float:
@@ -321,11 +354,13 @@ class HourglassTrainer:
         for (lo, hi), (bufs, reqs) in zip(chunks, recvs):
             rows = hi - lo
             statuses = [MPI.Status() for _ in reqs]
+            self._mark(f"recv_enter {len(sends) // len(convs)}")
             t1 = time.perf_counter()
             wait_for_peers(reqs, [c for c in convs for _ in range(2)],
                            f"activations (step {self.steps}, micro-batch {len(sends) // len(convs)})",
                            self.stall_timeout_s, statuses)
             t2 = time.perf_counter()
+            self._mark(f"recv_waited {len(sends) // len(convs)}")
             acts, masks, labels = [], [], []
             for i, (p, y) in enumerate(bufs):
                 nbytes = statuses[2 * i].Get_count(MPI.BYTE)
@@ -337,9 +372,11 @@ class HourglassTrainer:
                 cnt["label_bytes_received"] += y.nbytes
             a = np.concatenate(acts).reshape((-1,) + self.a_shape).astype(self.a_dtype, copy=False)
             y = np.concatenate(labels)
+            self._mark(f"head_enter {len(sends) // len(convs)}")
             t3 = time.perf_counter()
             s, g_a, g = self._fc_grads(tf.constant(a), tf.constant(y))
             t4 = time.perf_counter()
+            self._mark(f"head_exit {len(sends) // len(convs)}")
             g_a = g_a.numpy().reshape(-1, f)
             for i, c in enumerate(convs):
                 gi = g_a[i * rows:(i + 1) * rows]
@@ -354,9 +391,11 @@ class HourglassTrainer:
             grads = g if grads is None else [x + z for x, z in zip(grads, g)]
             tm["fc_recv_wait_s"] += t2 - t1
             tm["fc_compute_s"] += t4 - t3
+        self._mark("apply_enter")
         t3 = time.perf_counter()
         self._fc_apply(grads)  # FC exchange among FC ranks overlaps the CONV backward passes
         t4 = time.perf_counter()
+        self._mark("apply_exit")
         wait_for_peers(sends, [c for _ in chunks for c in convs],
                        f"CONV ranks to receive activation gradients (step {self.steps})",
                        self.stall_timeout_s)
@@ -382,15 +421,19 @@ class HourglassTrainer:
             if x is None or y is None or len(x) != self.batch_size or len(y) != self.batch_size:
                 raise ValueError(f"CONV rank {self.layout.rank}: train_step needs x and y with "
                                  f"batch_size={self.batch_size} examples")
+            self._mark("step_start")
             try:
                 self._conv_step(tf.constant(x), tf.constant(np.asarray(y, np.int32)))
             except tf.errors.OpError:
                 if self._fault is not None:
                     raise self._fault from None
                 raise
+            self._mark("step_end")
             out = None
         else:
+            self._mark("step_start")
             out = self._fc_step()
+            self._mark("step_end")
         self.steps += 1
         return out
 
