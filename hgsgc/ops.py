@@ -45,6 +45,7 @@ __all__ = [
     "BACKENDS",
     "MAX_WIDTH",
     "available",
+    "library_path",
     "get_backend",
     "load",
     "pack_bits",
@@ -81,6 +82,13 @@ def _library_path():
             return path
     found = sorted(glob.glob(os.path.join(_HERE, "_ops*.so")))
     return found[0] if found else None
+
+
+def library_path():
+    """Path of the compiled ``hgsgc/_ops*.so`` (this interpreter's ABI first), or ``None``. Besides
+    the ops it exports plain C functions (the Hourglass boundary quantizers,
+    ``ops/boundary_codec.cc``) that :mod:`hgsgc.hourglass.boundary` calls through ``ctypes``."""
+    return _library_path()
 
 
 def load():

@@ -6,10 +6,11 @@ reference implementations side by side in one run.
         --steps 40 --json out.json
 
 Builds the job as ``hgsgc train`` does (task, model, split, layout, SGC, codecs, seed), runs
-``--warmup`` untimed steps, then ``2 x --steps`` timed steps alternating the codec implementation
-step by step (even steps: :mod:`hgsgc.hourglass.boundary`, odd steps: the reference
-:mod:`hgsgc.hourglass.boundary_reference`; both give the same bytes for the same generator state, so
-the training is the same either way). Per step and rank it records the trainer's trace marks
+``--warmup`` untimed steps, then ``3 x --steps`` timed steps cycling the codec implementation step
+by step: ``compiled`` (:mod:`hgsgc.hourglass.boundary` with the C quantizers of
+``ops/boundary_codec.cc``), ``numpy`` (the same module, whole-array numpy) and ``reference``
+(:mod:`hgsgc.hourglass.boundary_reference`, the previous implementation). All three give the same
+bytes for the same generator state, so the training is the same whichever runs. Per step and rank it records the trainer's trace marks
 (``HourglassTrainer.trace``): wall time (``time.perf_counter``) and CPU time of the process
 (``time.process_time``, all its threads) of each phase, plus the codec's own thread CPU time
 (``HourglassTrainer.codec_times``). CPU time is the figure to trust on a loaded machine; every
@@ -44,17 +45,20 @@ def _loadavg():
 def phases(trace, is_conv):
     """``{phase: [wall_s, process_cpu_s, thread_cpu_s]}`` from one step's marks (module
     docstring); thread CPU is that of the thread that made both marks (the step's numpy_function
-    thread on CONV ranks, the Python thread on FC ranks), so it leaves out TensorFlow's pools."""
-    marks = {label: (w, p, t) for label, w, p, t in trace}
+    threads on CONV ranks, the Python thread on FC ranks), so it leaves out TensorFlow's pools;
+    NaN where the two marks come from different threads."""
+    marks = {label: (w, p, t, tid) for label, w, p, t, tid in trace}
     out = {}
 
     def add(name, a, b):
         if a in marks and b in marks:
             rec = out.setdefault(name, [0.0, 0.0, 0.0])
-            for i in range(3):
+            for i in range(2):
                 rec[i] += marks[b][i] - marks[a][i]
+            same = marks[a][3] == marks[b][3]
+            rec[2] += marks[b][2] - marks[a][2] if same else float("nan")
 
-    m = sum(1 for label, *_ in trace if label.startswith("recv_enter"))
+    m = sum(1 for label, *_ in trace if label.startswith("recv_enter"))  # micro-batches
     if is_conv:
         for j in range(m):
             add("forward", "step_start" if j == 0 else f"send_exit {j - 1}", f"send_enter {j}")
@@ -96,6 +100,7 @@ def main(argv=None):
     setup_threads(cfg.train.threads)
     import tensorflow as tf
 
+    from hgsgc.hourglass import boundary as bd
     from hgsgc.hourglass.boundary_reference import ReferenceCodec
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
@@ -118,17 +123,20 @@ def main(argv=None):
                                micro_batches=cfg.hourglass.micro_batches,
                                act_codec=cfg.hourglass.act_codec, grad_codec=cfg.hourglass.grad_codec,
                                codec_seed=cfg.run.seed)
-    impls = {"current": (trainer.act_codec, trainer.grad_codec),
+    impls = {"compiled": (trainer.act_codec, trainer.grad_codec),
+             "numpy": (trainer.act_codec, trainer.grad_codec),
              "reference": (ReferenceCodec(trainer.act_codec), ReferenceCodec(trainer.grad_codec))}
+    backend = {"compiled": "compiled", "numpy": "numpy", "reference": "numpy"}
     if layout.is_conv:
         batches, _ = task.train_data(layout.role_index, C, 0)
         batches = iter(batches)
-    total = args.warmup + 2 * args.steps
+    total = args.warmup + len(impls) * args.steps
     res = {k: {"steps": 0, "phases": {}, "codec": {}} for k in impls}
     load_before = _loadavg()
     for i in range(total):
-        impl = "current" if i % 2 == 0 else "reference"
+        impl = list(impls)[i % len(impls)]
         trainer.act_codec, trainer.grad_codec = impls[impl]
+        bd.set_codec_backend(backend[impl])
         trainer.trace = []
         trainer.codec_times(reset=True)
         if layout.is_conv:
@@ -148,7 +156,7 @@ def main(argv=None):
             acc = r["codec"].setdefault(k, {"calls": 0, "wall_s": 0.0, "cpu_s": 0.0})
             for f in acc:
                 acc[f] += v[f]
-    trainer.synchronize()
+    # (no trainer.synchronize(): nothing is evaluated or saved here)
     mine = {"rank": rank, "role": "conv" if layout.is_conv else "fc", "results": res}
     every = world.gather(mine, root=0)
     if rank != 0:
@@ -165,14 +173,14 @@ def main(argv=None):
         print(f"\n{role.upper()} ranks ({len(rows)}), ms per step, mean over ranks: "
               f"wall / process CPU / marking thread CPU")
         names = sorted({k for e in rows for impl in impls for k in e["results"][impl]["phases"]})
-        print(f"  {'phase':22s} {'current':>23s} {'reference':>23s}")
+        print(f"  {'phase':22s}" + "".join(f" {k:>23s}" for k in impls))
         for k in names:
             cells = []
             for impl in impls:
                 v = [np.mean([e["results"][impl]["phases"].get(k, [0, 0, 0])[n] / e["results"][impl]["steps"]
                               for e in rows]) for n in range(3)]
                 cells.append(" / ".join(f"{1e3 * t:6.1f}" for t in v))
-            print(f"  {k:22s} {cells[0]:>23s} {cells[1]:>23s}")
+            print(f"  {k:22s}" + "".join(f" {c:>23s}" for c in cells))
         print("  codec thread CPU per call (one micro-batch of one CONV rank), ms:")
         for k in ("encode_act", "decode_grad", "decode_act", "encode_grad"):
             cells = []
@@ -182,7 +190,7 @@ def main(argv=None):
                 wall = sum(e["results"][impl]["codec"].get(k, {}).get("wall_s", 0.0) for e in rows)
                 cells.append(f"{1e3 * cpu / calls:6.2f} (wall {1e3 * wall / calls:6.2f})" if calls else "-")
             if any(c != "-" for c in cells):
-                print(f"  {k:22s} {cells[0]:>22s} {cells[1]:>22s}")
+                print(f"  {k:22s}" + "".join(f" {c:>23s}" for c in cells))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -45,7 +45,9 @@ Payload lengths (``P(r, f, nnz)``) are exact: the tests compare every byte count
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -53,6 +55,68 @@ import numpy as np
 
 VALUE_CODECS = ("fp32", "fp16", "q8", "q4")
 _F16_MAX = float(np.finfo(np.float16).max)
+#: Implementations of the q8 / q4 quantizers (:func:`set_codec_backend`).
+CODEC_BACKENDS = ("auto", "compiled", "numpy")
+
+
+def _check_codec_backend(name):
+    if name not in CODEC_BACKENDS:
+        raise ValueError(f"boundary codec backend must be one of {CODEC_BACKENDS}, got {name!r} "
+                         f"(setting or $HGSGC_BOUNDARY_BACKEND)")
+    return name
+
+
+_codec_backend = _check_codec_backend(os.environ.get("HGSGC_BOUNDARY_BACKEND", "auto"))
+_kernels = None  # (encode, decode) ctypes functions once loaded; False when they do not load
+_kernel_error = ""
+
+
+def set_codec_backend(name: str) -> None:
+    """Choose how the ``q8`` / ``q4`` quantizers run in this process: ``"compiled"`` (the C
+    functions of ``ops/boundary_codec.cc`` in ``hgsgc/_ops*.so``; encoding raises RuntimeError if
+    the library is missing), ``"numpy"`` (whole-array numpy) or ``"auto"`` (compiled when the
+    library loads, else numpy; the initial setting, or ``$HGSGC_BOUNDARY_BACKEND``). Both give the
+    same payload bytes and decoded values for the same generator state (the uniforms are always
+    drawn by numpy's generator, so the stochastic-rounding stream does not depend on it).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    global _codec_backend
+    _codec_backend = _check_codec_backend(name)
+
+
+def codec_backend() -> str:
+    """The implementation the quantizers use now: ``"compiled"`` or ``"numpy"``."""
+    return "compiled" if _quant_kernels() is not None else "numpy"
+
+
+def _quant_kernels():
+    """``(encode, decode)`` ctypes functions, or None (numpy); RuntimeError when the setting is
+    ``"compiled"`` and the library does not load."""
+    global _kernels, _kernel_error
+    if _codec_backend == "numpy":
+        return None
+    if _kernels is None:
+        try:
+            from hgsgc import ops
+
+            ops.load()  # TensorFlow registers the library's ops first (the same file)
+            lib = ctypes.CDLL(ops.library_path())
+            enc, dec = lib.hgsgc_bq_encode, lib.hgsgc_bq_decode
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            enc.argtypes = [ptr, ptr, i64, i64, ptr, i64, ctypes.c_int, ptr, i64]
+            dec.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ptr]
+            enc.restype = dec.restype = ctypes.c_int
+            _kernels = (enc, dec)
+        except (RuntimeError, OSError, AttributeError, TypeError) as exc:
+            _kernels, _kernel_error = False, str(exc)
+    if _kernels is False:
+        if _codec_backend == "compiled":
+            raise RuntimeError(f"boundary codec backend 'compiled' needs hgsgc/_ops*.so with "
+                               f"hgsgc_bq_encode: {_kernel_error}")
+        return None
+    return _kernels
 
 
 class BoundaryCodecError(ValueError):
@@ -62,13 +126,13 @@ class BoundaryCodecError(ValueError):
 def _fp16_down(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # overflow becomes inf, reported by the caller
         h = x.astype(np.float16)
-    return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
+        return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
 
 
 def _fp16_up(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = x.astype(np.float16)
-    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+        return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
 
 
 @dataclass(frozen=True)
@@ -120,17 +184,35 @@ class ValueCodec:
                     f"boundary values exceed float16's range (max |x| = {np.max(np.abs(v)):.3g}): "
                     f"use an fp32 boundary codec (hourglass.act_codec / grad_codec)")
             return h.view(np.uint8)
+        x = np.ascontiguousarray(x, np.float32)
+        if mask is not None:
+            mask = np.ascontiguousarray(mask, bool)
+        n = x.size if mask is None else int(np.count_nonzero(mask))
+        u = rng.random(n, dtype=np.float32)  # the same draws whichever implementation runs
+        kernels = _quant_kernels()
+        if kernels is not None:
+            out = np.empty(self.length(n, x.shape[1]), np.uint8)
+            rc = kernels[0](x.ctypes.data, None if mask is None else mask.ctypes.data, x.shape[0],
+                            x.shape[1], u.ctypes.data, n, self.bits, out.ctypes.data, len(out))
+            if rc == 0:
+                return out
+            if rc == 2:
+                self.scales(x, mask)  # raises the FloatingPointError naming the setting
+            # rc 1 (a +0/-0 tie at a feature's min or max): numpy decides which zero, as before
+        return self._encode_numpy(x, mask, u)
+
+    def _encode_numpy(self, x: np.ndarray, mask: Optional[np.ndarray], u: np.ndarray) -> np.ndarray:
         lo, hi = self.scales(x, mask)
         delta = self.step(lo, hi)
         L = (1 << self.bits) - 1
-        # t = (x - lo_j) / Delta_j (0 where Delta_j = 0) on the whole [r, f] array with the
+        # t = (x - lo_j)/ Delta_j (0 where Delta_j = 0) on the whole [r, f] array with the
         # per-feature scales broadcast (the same float32 operations per entry as on the sent
         # entries alone), then the sent entries in row-major order: no index list is built
         pos = delta > 0
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # unsent entries only
             t = np.where(pos, (x - lo.astype(np.float32)) / np.where(pos, delta, 1), 0)
         t = np.compress(mask.reshape(-1), t) if mask is not None else t.reshape(-1)
-        codes = np.floor(t + rng.random(t.shape, dtype=np.float32))
+        codes = np.floor(t + u)
         codes = np.clip(codes, 0, L, out=codes).astype(np.uint8)
         n = len(codes)
         out = np.empty(4 * x.shape[1] + (n * self.bits + 7) // 8, np.uint8)
@@ -204,6 +286,17 @@ class ValueCodec:
             out = np.zeros(rows * f, np.float32)
             out[np.flatnonzero(mask)] = v  # row-major, like the encoder's selection
             return out.reshape(rows, f)
+        kernels = _quant_kernels()
+        if kernels is not None:
+            buf = np.ascontiguousarray(buf, np.uint8)
+            if mask is not None:
+                mask = np.ascontiguousarray(mask, bool)
+            out = np.empty((rows, f), np.float32)
+            if kernels[1](buf.ctypes.data, len(buf), None if mask is None else mask.ctypes.data,
+                          rows, f, n, self.bits, out.ctypes.data):
+                raise ValueError(f"{self.kind} boundary payload of {len(buf)} bytes is shorter than "
+                                 f"the {self.length(n, f)} bytes of {n} values over {f} features")
+            return out
         lo = buf[:2 * f].view(np.float16)
         hi = buf[2 * f:4 * f].view(np.float16)
         delta = self.step(lo, hi)

@@ -38,6 +38,7 @@ training mode) in the trunk, since each CONV rank normalises its own batch.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Dict, Optional
 
@@ -166,7 +167,9 @@ class HourglassTrainer:
         self.counts: Dict[str, int] = {k: 0 for k in P2P_KEYS}
         self.times: Dict[str, float] = {k: 0.0 for k in PHASE_KEYS}
         self._codec_t = {k: [0, 0.0, 0.0] for k in CODEC_KEYS}  # calls, wall s, thread CPU s
-        self.trace = None  # a list: _mark appends (label, perf_counter, process_time, thread_time)
+        # a list to profile steps: _mark appends (label, perf_counter, process_time, thread_time,
+        # thread id); scripts/profile_hourglass.py turns the marks into phases
+        self.trace = None
         self.steps = 0
         self._train_loss = np.zeros(2)  # FC ranks: sum of example losses, examples
         self._build()
@@ -247,7 +250,8 @@ class HourglassTrainer:
 
     def _mark(self, label):
         if self.trace is not None:
-            self.trace.append((label, time.perf_counter(), time.process_time(), time.thread_time()))
+            self.trace.append((label, time.perf_counter(), time.process_time(), time.thread_time(),
+                               threading.get_ident()))
 
     def _timed_codec(self, key, fn, *args, **kw):
         t0, c0 = time.perf_counter(), time.thread_time()
