@@ -277,8 +277,9 @@ class HourglassTrainer:
         (CONV ranks: ``encode_act``, ``decode_grad``; FC ranks: ``decode_act``, ``encode_grad``;
         one call = one micro-batch of one CONV rank): ``{"calls": int, "wall_s": float,
         "cpu_s": float}``, wall = ``time.perf_counter``, cpu = ``time.thread_time`` of the
-        calling thread (the codec is single-threaded numpy), so the CPU figure does not count
-        time this process waited for a core on a loaded machine. Training steps only."""
+        calling thread (the codec is single-threaded: numpy or the C quantizers), so the CPU
+        figure does not count time this process waited for a core on a loaded machine.
+        Training steps only."""
         out = {k: {"calls": int(v[0]), "wall_s": float(v[1]), "cpu_s": float(v[2])}
                for k, v in self._codec_t.items()}
         if reset:
