@@ -84,9 +84,14 @@ class _HgsgcOptimizerMixin:
 
     def hgsgc_set_nonfinite(self, mode: str):
         """What a NaN/Inf gradient does: ``"off"`` (default: no check), ``"skip"`` (the step is
-        not applied, on every rank alike with delay 1 (one 4-byte ``allreduce(op=Min)`` per step)
-        or on the rank that saw it with delay > 1 (local steps are local; the sync schedule is
-        kept), a warning is printed and :attr:`hgsgc_skipped_steps` counts it) or ``"raise"``
+        not applied, on every rank alike with delay 1 (dense exchanges: checked on the average,
+        which carries any rank's NaN/Inf, no extra collective; compressed exchanges: one 4-byte
+        ``allreduce(op=Min)`` per step before the exchange, which writes residuals)
+        or on the rank that saw it with delay > 1 (a local step applies only the rank's own
+        gradient, so no other rank has it to skip; the sync schedule is kept and the sync averages
+        each rank's accepted updates, so every rank leaves it with the same weights; see
+        docs/reliability.md), a warning is printed and :attr:`hgsgc_skipped_steps` counts it on
+        the rank that skipped) or ``"raise"``
         (every rank stops with an error). Either way nothing non-finite enters a residual.
         Set it before the first step is traced.
 
@@ -114,9 +119,16 @@ class _HgsgcOptimizerMixin:
             extra = list(self._hgsgc_anchors) + [self._hgsgc_local_step]
         return list(super().variables()) + extra
 
-    def _hgsgc_guard(self, grads, variables, names, apply_fn, collective: bool):
+    def _hgsgc_guard(self, grads, variables, names, apply_fn, collective: bool, exchange_fn=None):
         """Densify, check shapes across ranks once, then run ``apply_fn(grads)`` unless a
-        gradient is non-finite (see :meth:`hgsgc_set_nonfinite`)."""
+        gradient is non-finite (see :meth:`hgsgc_set_nonfinite`).
+
+        ``exchange_fn`` (a dense exchange without state: no residual, no compression): the
+        gradients are averaged first and the check runs on the average, which every rank
+        receives alike and which carries any rank's NaN/Inf (NaN + x = NaN, Inf + finite = Inf,
+        Inf - Inf = NaN), so no extra collective is needed; ``apply_fn`` then gets the average.
+        Otherwise ``collective`` asks for one 4-byte ``allreduce(op=Min)`` of the local verdict
+        (delay 1) or a local check (delay > 1) before ``apply_fn`` exchanges."""
         from hgsgc import faults
 
         grads = faults.densify(grads, variables)
@@ -125,10 +137,14 @@ class _HgsgcOptimizerMixin:
             faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set)
             self._hgsgc_checked.add(key)
         mode = self._hgsgc_nonfinite
+        if exchange_fn is not None:
+            grads = exchange_fn(grads)
         if mode == "off":
             apply_fn(grads)
             return tf.constant(True)
-        if collective:
+        if exchange_fn is not None:  # the average: the same verdict on every rank, no collective
+            ok = faults.all_finite(grads)
+        elif collective:
             ok = faults.all_ranks_finite(grads, self._hgsgc_exchanger.process_set,
                                          name=f"hgsgc_finite_{len(self._hgsgc_checked)}")
         else:
@@ -167,14 +183,21 @@ class _HgsgcOptimizerMixin:
         delay = self._hgsgc_compression.delay
         sup = super()
         if delay == 1:
-            def apply_synced(grads):
-                avg = self._hgsgc_exchanger.exchange(grads, names)  # clip, DGC, EF inside
+            def apply_avg(avg):
                 pairs = [(g, v) for g, v in zip(avg, variables) if g is not None]
                 return sup.apply_gradients(pairs, name=name,
                                            experimental_aggregate_gradients=experimental_aggregate_gradients)
 
-            return self._hgsgc_guard([g for g, _ in grads_and_vars], variables, names,
-                                     apply_synced, collective=True)
+            def exchange(grads):
+                return self._hgsgc_exchanger.exchange(grads, names)  # clip, DGC, EF inside
+
+            grads = [g for g, _ in grads_and_vars]
+            if self._hgsgc_exchanger.pipeline is None:  # dense, stateless: check the average
+                return self._hgsgc_guard(grads, variables, names, apply_avg, collective=True,
+                                         exchange_fn=exchange)
+            # compressed: residuals are written inside the exchange, so check before it
+            return self._hgsgc_guard(grads, variables, names,
+                                     lambda g: apply_avg(exchange(g)), collective=True)
         self._hgsgc_delay.build(variables)
 
         def apply_local(grads):

@@ -45,6 +45,40 @@ def test_nonfinite_gradient_skips_step_on_every_rank(result):
     assert r["residuals_finite"] and r["weights_finite"] and r["spread"] == 0.0
 
 
+@pytest.mark.parametrize("tag", ["localsgd", "sgc"])
+def test_nonfinite_gradient_with_delay_skips_the_local_step_and_sync_agrees(result, tag):
+    """Delay 3: rank min(1, n-1) gets an Inf gradient at its 2nd local step. Local steps are
+    per-rank by construction (no rank can skip another's gradient without a collective per local
+    step, which is what delay removes): that rank alone skips it and counts it; the sync schedule
+    is unchanged (it comes after 3 calls on every rank); after the sync every rank holds bitwise
+    the same finite weights, which equal the mean of the ranks' local trajectories with the
+    skipped step left out (dense local SGD: float32 averaging error only), and nothing
+    non-finite entered an anchor or a residual."""
+    r = result[f"nonfinite_delay3_{tag}"]
+    assert r["error"] is None, r
+    n = result["size"]
+    assert r["skipped"] == [1 if k == min(1, n - 1) else 0 for k in range(n)], r
+    assert r["local_step"] == 3 and r["spread"] == 0.0 and r["finite"], r
+    if tag == "localsgd":
+        assert r["max_err_vs_mean_of_local_trajectories"] < 1e-6, r
+
+
+def test_nonfinite_gradient_dense_exchange_checks_the_average_without_extra_allreduce(result):
+    """Compression.none (delay 1): rank min(1, n-1)'s NaN reaches every rank through the
+    average itself, so every rank skips the same step (weights and iterations unchanged, bitwise
+    identical weights after) and the traced step has exactly as many allreduce ops as with
+    faults.nonfinite=off; a compressed exchange (top-k) keeps one more: the 4-byte
+    allreduce(op=Min) of the verdict, needed because its residuals are written inside the
+    exchange."""
+    r, off = result["nonfinite_dense_skip"], result["nonfinite_dense_off"]
+    assert r["error"] is None and off["error"] is None, (r, off)
+    assert r["weights_unchanged"] and r["iterations_after_skip"] == 1 and r["skipped"] == 1, r
+    assert r["weights_finite"] and r["spread"] == 0.0, r
+    assert not off["weights_unchanged"] and off["skipped"] == 0, off
+    assert r["allreduce_ops"] == off["allreduce_ops"] >= 1, (r, off)
+    assert result["nonfinite_topk_skip_allreduce_ops"] == result["nonfinite_topk_off_allreduce_ops"] + 1
+
+
 def test_nonfinite_gradient_raise_mode_stops(result):
     r = result["nonfinite_raise"]
     assert r["error"] is not None and r["error_names_setting"], r

@@ -7,7 +7,9 @@
 * ``Compression.fp16``: a sum over ranks beyond the float16 range, average within it;
 * an ``IndexedSlices`` gradient whose static shape is unknown (out of ``tf.cond`` in a
   ``tf.function``);
-* NaN/Inf on one rank: the step is skipped on every rank, residuals untouched.
+* NaN/Inf on one rank: the step is skipped on every rank, residuals untouched (delay 1); with
+  delay 3 the local step is skipped on the rank that saw it and the sync leaves every rank with
+  the same finite weights (the mean of the ranks' local trajectories).
 """
 import json
 
@@ -168,6 +170,115 @@ for mode in ("skip", "raise"):
         rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         rec["error_names_setting"] = "NaN/Inf gradient (faults.nonfinite=raise)" in str(exc)
     out[f"nonfinite_{mode}"] = rec
+
+# 5a. the same with a dense exchange (Compression.none): the check runs on the average, which
+# carries rank 1's NaN to every rank, so the traced step holds no extra allreduce: the number of
+# Horovod allreduce ops is the same with faults.nonfinite=skip as with off
+
+
+def allreduce_ops(fn, *args):
+    return sum("Allreduce" in op.type for op in fn.get_concrete_function(*args).graph.get_operations())
+
+
+for mode in ("skip", "off"):
+    model = model_for(seed=7)
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                                     compression=hgsgc.Compression.none)
+    opt.hgsgc_set_nonfinite(mode)
+
+    @tf.function
+    def dense_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    rec = {}
+    try:
+        for i in range(3):
+            xb = x[8 * i:8 * i + 8].copy()
+            if i == 1 and rank == min(1, size - 1) and mode == "skip":
+                xb[0, 0] = np.nan
+            before_w = [v.numpy().copy() for v in model.trainable_variables]
+            dense_step(xb, y[8 * i:8 * i + 8])
+            if i == 1:
+                rec["weights_unchanged"] = all(np.array_equal(a, v.numpy()) for a, v in
+                                               zip(before_w, model.trainable_variables))
+                rec["iterations_after_skip"] = int(opt.iterations.numpy())
+        rec["allreduce_ops"] = allreduce_ops(dense_step, xb, y[16:24])
+        rec["skipped"] = opt.hgsgc_skipped_steps
+        rec["weights_finite"] = all(bool(np.all(np.isfinite(v.numpy()))) for v in model.trainable_variables)
+        rec["spread"] = spread(model.trainable_variables)
+        rec["error"] = None
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    out[f"nonfinite_dense_{mode}"] = rec
+
+# the compressed exchange keeps its 4-byte allreduce(op=Min): one more allreduce op than off
+for mode in ("skip", "off"):
+    model = model_for(seed=7)
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                     compression=hgsgc.Compression.topk(0.3, selector="exact"))
+    opt.hgsgc_set_nonfinite(mode)
+
+    @tf.function
+    def topk_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+
+    topk_step(x[:8], y[:8])
+    out[f"nonfinite_topk_{mode}_allreduce_ops"] = allreduce_ops(topk_step, x[:8], y[:8])
+
+# 5b. NaN/Inf with delay 3 (local SGD): the rank that saw it skips that local step (its update
+# and the local-step counter's schedule are kept: the sync still comes after 3 calls on every
+# rank); the sync averages each rank's accepted updates, so every rank leaves it with the same
+# finite weights, equal to the mean of the ranks' local trajectories (numpy/Keras reference)
+victim = min(1, size - 1)
+for tag, comp in (("localsgd", hgsgc.Compression.localsgd(3)),
+                  ("sgc", hgsgc.Compression.sgc(0.5, bits=32, delay=3, selector="exact"))):
+    model = model_for(seed=7)
+    ref = model_for(seed=7)
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                                     compression=comp)
+    opt.hgsgc_set_nonfinite("skip")
+    ref_opt = tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+
+    @tf.function
+    def dstep(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+
+    rec = {}
+    try:
+        for i in range(3):
+            xb = x[8 * i:8 * i + 8].copy()
+            if i == 1 and rank == victim:
+                xb[0, 0] = np.inf
+            else:  # the reference applies every step this rank accepts
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y[8 * i:8 * i + 8], ref(xb, training=True))
+                ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables),
+                                            ref.trainable_variables))
+            dstep(xb, y[8 * i:8 * i + 8])
+        local = np.concatenate([v.numpy().ravel() for v in ref.trainable_variables])
+        want = hvd.allgather(tf.constant(local[None].astype(np.float64)), name=f"ref_{tag}").numpy().mean(0)
+        got = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        state = opt.hgsgc_state()
+        rec["skipped"] = hvd.allgather(tf.constant([opt.hgsgc_skipped_steps]), name=f"sk_{tag}").numpy().tolist()
+        rec["local_step"] = int(state["local_step"])
+        rec["spread"] = spread(model.trainable_variables)
+        rec["max_err_vs_mean_of_local_trajectories"] = float(np.max(np.abs(got - want)))
+        rec["finite"] = bool(np.all(np.isfinite(got))) and all(
+            bool(np.all(np.isfinite(a))) for a in state["anchors"]) and all(
+            bool(np.all(np.isfinite(r))) for r in state.get("residuals", {}).values())
+        rec["error"] = None
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    out[f"nonfinite_delay3_{tag}"] = rec
 
 # 6. an hgsgc compression given to stock Horovod's DistributedOptimizer
 model = model_for(seed=3)
