@@ -3,8 +3,9 @@
 Under ``mpirun``/``srun`` every rank runs the same command. A configuration error stops every
 rank with one line (printed by rank 0) and exit code 2 before any collective; an error every
 rank raises alike is printed once (``hgsgc: error (all N ranks): ...``, exit 1); an error on some
-ranks prints ``hgsgc: error on rank R: ...`` and aborts the whole MPI job (exit 1), so a failure
-on one rank never leaves the others hanging in a collective. Preemption (SIGTERM / SIGUSR1)
+ranks is printed once too (``hgsgc: error on rank R: ...`` or ``on ranks R,S: ...``, by the
+lowest-numbered rank that failed first) and aborts the whole MPI job (exit 1), so a failure on
+one rank never leaves the others hanging in a collective. Preemption (SIGTERM / SIGUSR1)
 writes a checkpoint and exits 75 on every rank (docs/reliability.md).
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ def run_guarded(fn, *args, **kwargs):
     """Call ``fn``; if it raises, print the error once for the whole job and end every rank.
 
     An error every rank raises alike (e.g. a data error, an agreed checkpoint error) is printed
-    once by rank 0 and every rank exits 1; an error on some ranks only is printed by each failing
-    rank (``hgsgc: error on rank R: ...``), which then calls ``MPI.COMM_WORLD.Abort(1)`` so ranks
-    blocked in a collective waiting for it end too (:func:`hgsgc.faults.report_error`).
+    once by rank 0 and every rank exits 1; an error on some ranks only is printed once, by the
+    lowest-numbered rank that failed first (``hgsgc: error on rank R: ...`` / ``on ranks R,S:
+    ...``), which then calls ``MPI.COMM_WORLD.Abort(1)`` so ranks blocked in a collective waiting
+    for it end too (:func:`hgsgc.faults.report_error`).
     ``SystemExit`` passes through (preemption exits with status 75 on every rank).
     Set ``HGSGC_DEBUG=1`` for the full traceback.
 
