@@ -126,7 +126,7 @@ class CheckpointConfig:
 class FaultConfig:
     """Reaction to faults (docs/reliability.md)."""
     nonfinite: str = "skip"  # NaN/Inf gradient on any rank: skip the step on every rank | raise | off
-    stall_timeout_s: float = 0.0  # > 0: end the job when a rank issues no collective this long
+    stall_timeout_s: float = 0.0  # > 0: end the job when a rank issues no collective (Hourglass: no boundary message) this long
 
 
 @dataclass

@@ -164,7 +164,7 @@ class _HgsgcOptimizerMixin:
         def skip():
             inc = self._hgsgc_skipped.assign_add(1)
             with tf.control_dependencies([inc]):
-                if hvd.rank() == 0 or not collective:
+                if hvd.rank() == _lead_rank(self._hgsgc_exchanger.process_set) or not collective:
                     pr = tf.print("hgsgc: warning: NaN/Inf gradient",
                                   "on some rank:" if collective else f"on rank {hvd.rank()}:",
                                   "step", self.iterations, "skipped (faults.nonfinite=skip)",
@@ -333,6 +333,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     new = cls.from_config(config)
     new._hgsgc_setup(comp, process_set, correction_momentum)
     return new
+
+
+def _lead_rank(process_set) -> int:
+    """The lowest world rank of ``process_set`` (0 for Horovod's global set, whose ``ranks`` is
+    None before initialisation): the one rank that prints a warning for the whole set, so a set
+    without world rank 0 (the Hourglass FC ranks) still warns, once."""
+    ranks = getattr(process_set, "ranks", None)
+    return min(ranks) if ranks else 0
 
 
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)

@@ -331,3 +331,14 @@ def test_error_lines_group_ranks_and_leave_out_consequences():
     assert _error_lines({0: hvd, 2: hvd}, 3) == [
         f"hgsgc: error on ranks 0,2: {hvd} [no error from rank 1: it stopped issuing collectives "
         f"(Horovod's stall inspector, faults.stall_timeout_s) or failed first]"]
+
+
+def test_nonfinite_warning_printed_by_lowest_rank_of_the_process_set():
+    """The NaN/Inf skip warning is printed by the lowest world rank of the optimizer's process
+    set, so the Hourglass FC ranks (a set without world rank 0) warn too, once per set."""
+    import horovod.tensorflow as hvd
+    from hgsgc.optimizer import _lead_rank
+
+    assert _lead_rank(hvd.ProcessSet([3, 1, 2])) == 1
+    assert _lead_rank(hvd.ProcessSet([0, 2])) == 0
+    assert _lead_rank(hvd.global_process_set) == 0
