@@ -203,7 +203,7 @@ class LanguageModelTask:
         from hgsgc.data.ptb import PTB
 
         self.cfg = cfg
-        self.data = PTB(data_path(cfg), cfg.data.vocab_size, cfg.data.train_limit)
+        self.data = PTB(data_path(cfg), cfg.data.vocab_size, cfg.data.train_limit, cfg.data.test_limit)
         self.num_classes = self.data.num_classes
         self.n_train = len(self.data.ids["train"])
         self.state = None

@@ -402,3 +402,22 @@ def test_librispeech_bad_files(tmp_path):
     trans.write_text(trans.read_text().replace("100-7-0002 ABC", "100-7-0002 AB#C"))
     with pytest.raises(DataError, match="100-7.trans.txt:2: malformed"):
         LibriSpeech(str(root))
+
+
+def test_ptb_limits_cut_only_their_splits_and_keep_the_vocabulary(tmp_path):
+    """data.train_limit cuts the training stream only, data.test_limit valid and test only; the
+    vocabulary (the model's size) is built from the whole training file either way."""
+    from hgsgc.data.ptb import PTB
+
+    train = [" ".join(f"w{(i * 7 + j) % 23}" for j in range(9)) for i in range(40)]
+    valid = [" ".join(f"w{(i * 5 + j) % 23}" for j in range(7)) for i in range(30)]
+    path = _ptb(tmp_path, train=train, valid=valid, test=valid)
+    full = PTB(path, vocab_size=100)
+    cut = PTB(path, vocab_size=100, limit=50)
+    assert cut.vocab == full.vocab and cut.num_classes == full.num_classes == 25  # 23 words, <eos>, <unk>
+    assert cut.ids["train"].tolist() == full.ids["train"][:50].tolist()
+    assert cut.ids["valid"].tolist() == full.ids["valid"].tolist() and len(full.ids["valid"]) == 30 * 8
+    both = PTB(path, vocab_size=100, limit=50, eval_limit=17)
+    assert both.ids["train"].tolist() == full.ids["train"][:50].tolist()
+    assert both.ids["valid"].tolist() == full.ids["valid"][:17].tolist()
+    assert both.ids["test"].tolist() == full.ids["test"][:17].tolist()

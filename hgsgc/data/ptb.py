@@ -73,6 +73,14 @@ def build_vocab(words: List[str], vocab_size: int = 10000) -> Dict[str, int]:
 class PTB:
     """The three PTB files as id streams plus batching.
 
+    Args:
+        path: folder with ``ptb.train.txt``, ``ptb.valid.txt``, ``ptb.test.txt``.
+        vocab_size: vocabulary size, built from the whole training file (``<unk>``, ``<eos>``
+            included), so neither limit changes the model.
+        limit: keep the first ``limit`` training tokens (0 = all; ``data.train_limit``).
+        eval_limit: keep the first ``eval_limit`` tokens of valid and test (0 = all;
+            ``data.test_limit``).
+
     Attributes:
         vocab: word -> id; ``ids[split]``: int32 token streams; ``unk_rate[split]``.
 
@@ -80,11 +88,14 @@ class PTB:
         DataError: a file missing, empty or malformed (every rank checks all three).
     """
 
-    def __init__(self, path: str, vocab_size: int = 10000, limit: int = 0):
+    def __init__(self, path: str, vocab_size: int = 10000, limit: int = 0, eval_limit: int = 0):
         words = {s: read_words(os.path.join(path, f)) for s, f in FILES.items()}
-        if limit:
-            words = {s: w[:limit] for s, w in words.items()}
+        # the vocabulary (and so the model) comes from the whole training file, whatever the limits
         self.vocab = build_vocab(words["train"], vocab_size)
+        if limit:  # data.train_limit: the first `limit` training tokens
+            words["train"] = words["train"][:limit]
+        if eval_limit:  # data.test_limit: the first `eval_limit` tokens of valid and test
+            words = {s: (w if s == "train" else w[:eval_limit]) for s, w in words.items()}
         unk = self.vocab[UNK]
         self.ids = {s: np.asarray([self.vocab.get(w, unk) for w in ws], np.int32) for s, ws in words.items()}
         self.unk_rate = {s: float(np.mean(v == unk)) for s, v in self.ids.items()}
