@@ -251,15 +251,11 @@ class ValueCodec:
         """``Delta_j = (hi_j - lo_j) / (2^k - 1)`` float32 ``[f]``, the per-feature error bound."""
         return ((hi.astype(np.float32) - lo.astype(np.float32)) / np.float32((1 << self.bits) - 1)).astype(np.float32)
 
-    def decode(self, buf: np.ndarray, n: int, feat: np.ndarray, f: int) -> np.ndarray:
-        """Inverse of :meth:`encode`: ``n`` float32 values (``feat [n]``: their features)."""
-        if self.kind == "fp32":
-            return buf[:4 * n].view(np.float32)
-        if self.kind == "fp16":
-            return buf[:2 * n].view(np.float16).astype(np.float32)
+    def _unpack(self, buf: np.ndarray, n: int, f: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A q8/q4 payload's parts: ``lo`` float16 ``[f]``, ``Delta`` float32 ``[f]`` and the ``n``
+        uint8 codes (q4: two per byte, low nibble first)."""
         lo = buf[:2 * f].view(np.float16)
         hi = buf[2 * f:4 * f].view(np.float16)
-        delta = self.step(lo, hi)
         body = buf[4 * f:]
         if self.bits == 4:
             codes = np.empty(2 * len(body), np.uint8)
@@ -268,6 +264,15 @@ class ValueCodec:
             codes = codes[:n]
         else:
             codes = body[:n]
+        return lo, self.step(lo, hi), codes
+
+    def decode(self, buf: np.ndarray, n: int, feat: np.ndarray, f: int) -> np.ndarray:
+        """Inverse of :meth:`encode`: ``n`` float32 values (``feat [n]``: their features)."""
+        if self.kind == "fp32":
+            return buf[:4 * n].view(np.float32)
+        if self.kind == "fp16":
+            return buf[:2 * n].view(np.float16).astype(np.float32)
+        lo, delta, codes = self._unpack(buf, n, f)
         return lo.astype(np.float32)[feat] + codes.astype(np.float32) * delta[feat]
 
     def decode_array(self, buf: np.ndarray, rows: int, f: int, mask: Optional[np.ndarray]) -> np.ndarray:
@@ -297,17 +302,7 @@ class ValueCodec:
                 raise ValueError(f"{self.kind} boundary payload of {len(buf)} bytes is shorter than "
                                  f"the {self.length(n, f)} bytes of {n} values over {f} features")
             return out
-        lo = buf[:2 * f].view(np.float16)
-        hi = buf[2 * f:4 * f].view(np.float16)
-        delta = self.step(lo, hi)
-        body = buf[4 * f:]
-        if self.bits == 4:
-            codes = np.empty(2 * len(body), np.uint8)
-            codes[0::2] = body & 15
-            codes[1::2] = body >> 4
-            codes = codes[:n]
-        else:
-            codes = body[:n]
+        lo, delta, codes = self._unpack(buf, n, f)
         if mask is None:
             c = codes.reshape(rows, f)
         else:
