@@ -103,7 +103,9 @@ class HourglassConfig:
     fc_workers: Any = "auto"  # number of FC ranks, or "auto" (cost model, docs/hourglass.md)
     split_layer: Optional[str] = None  # first FC-head layer; default: first Dense after the last conv
     fc_method: str = "none"  # compression among FC ranks: none | fp16 | topk | sgc
-    link_bandwidth_mbps: float = 1000.0  # cost-model input for fc_workers=auto
+    # link of fc_workers=auto / layout=auto: null = ping-pong probe at start-up (default); a number
+    # (Mbit/s) is an explicit override: no probe, beta = mbps * 1e6 / 8, alpha = 0
+    link_bandwidth_mbps: Optional[float] = None
     wire_dtype: str = "float32"  # activations + activation gradients on the wire: float32 | float16
     micro_batches: int = 1  # pipeline the boundary exchange in this many micro-batches (1..batch_size)
     act_codec: Optional[str] = None  # CONV -> FC: fp32 | fp16 | q8 | q4, optionally sparse+ (default: wire_dtype)
@@ -293,8 +295,9 @@ def validate(cfg: Config) -> None:
             f"must be an integer in 1..train.batch_size ({t.batch_size}), e.g. 4")
     if h.wire_dtype not in ("float32", "float16"):
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
-    if not h.link_bandwidth_mbps > 0:
-        bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps, "must be > 0")
+    if h.link_bandwidth_mbps is not None and not h.link_bandwidth_mbps > 0:
+        bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps,
+            "must be > 0 (Mbit/s), or null to probe the link at start-up")
     from hgsgc.hourglass.boundary import BoundaryCodec, BoundaryCodecError, check_pair
 
     for key in ("act_codec", "grad_codec"):

@@ -186,3 +186,59 @@ def test_fc_workers_auto_and_layout_auto_size_the_boundary_alike():
         assert (got["act_bytes"], got["grad_bytes"]) == want, (act, grad)
     f = split.features
     assert boundary_bytes("q4", "q8", nz, 2)[0] < boundary_bytes("fp16", "fp16", nz, 2)[0] == 2 * f + 4
+
+
+# ------------------------------------------------------------------------------------------
+# The link of fc_workers: auto / layout: auto: the probe by default, the config value only as an
+# explicit override (the probe itself runs under mpirun: tests/test_hourglass_auto_mpi.py).
+def test_link_setting_is_null_by_default_and_validated():
+    from hgsgc.config import ConfigError, load_config
+
+    assert load_config(None).hourglass.link_bandwidth_mbps is None
+    assert load_config("configs/fashion_mnist.yaml").hourglass.link_bandwidth_mbps is None
+    assert load_config(None, ["hourglass.link_bandwidth_mbps=250"]).hourglass.link_bandwidth_mbps == 250.0
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match=r"hourglass\.link_bandwidth_mbps.*null to probe"):
+            load_config(None, [f"hourglass.link_bandwidth_mbps={bad}"])
+
+
+def test_link_inputs_override_and_injected_probe():
+    from hgsgc.hourglass.costmodel import link_inputs
+
+    class NoComm:  # the override must not touch the communicator
+        def __getattr__(self, name):
+            raise AssertionError(f"override used comm.{name}")
+
+    assert link_inputs(NoComm(), 80.0) == {"source": "config", "alpha_s": 0.0, "beta_Bps": 1e7, "pairs": []}
+    with pytest.raises(ValueError, match=r"link_bandwidth_mbps=0.*null: probe"):
+        link_inputs(NoComm(), 0)
+    seen = []
+    fake = {"alpha_s": 3e-5, "beta_Bps": 2e6, "pairs": [[1, 3e-5, 2e6]]}
+    got = link_inputs("COMM", probe=lambda c: seen.append(c) or fake)
+    assert seen == ["COMM"] and got == {"source": "probe", **fake, "probe_bytes": [8, 1 << 20]}
+
+
+def test_fc_workers_auto_uses_the_link_it_is_given():
+    """with_link puts alpha and beta into the inputs; the prediction is predict_hourglass with
+    that alpha (2 M alpha for the boundary messages, the exchanges' messages); no link: error."""
+    from hgsgc.hourglass.costmodel import (CostInputs, choose_fc_workers, format_report, layout_inputs,
+                                           with_link)
+
+    base = CostInputs(t_conv=1e-3, t_fc=1e-3, batch_size=32, act_bytes=1000.0, grad_bytes=1000.0,
+                      conv_payload=1e5, fc_payload=7e6, bandwidth=0.0)
+    with pytest.raises(ValueError, match="probe the link"):
+        choose_fc_workers(base, 4)
+    slow = with_link(base, {"alpha_s": 5e-5, "beta_Bps": 12.5e6})
+    assert (slow.alpha, slow.bandwidth) == (5e-5, 12.5e6) and layout_inputs(slow, 4).alpha == 5e-5
+    r = choose_fc_workers(slow, 4)
+    # F = 1: C = 3, m = 3, M = 1; CONV ring among 3: 2 (k-1) = 4 messages, 2 (k-1)/k P bytes, a
+    # ceil(log2 3) = 2-message negotiation; no FC exchange; 2 M alpha for the boundary messages
+    s = [32e-3, 96 * 1000 / 12.5e6, 96e-3, 96 * 1000 / 12.5e6]
+    ex_c = 2 * 2 * 5e-5 + 2 * 2 / 3 * 1e5 / 12.5e6 + math.ceil(math.log2(3)) * 5e-5
+    assert r["candidates"][0]["step_s"] == pytest.approx(sum(s) + ex_c + 2 * 5e-5, rel=1e-12)
+    assert r["fc_workers"] == 1                       # the 7 MB FC ring would cost 0.56 s at 100 Mbit/s
+    assert choose_fc_workers(with_link(base, {"alpha_s": 1e-6, "beta_Bps": 1.25e10}), 4)["fc_workers"] == 2
+    text = format_report({**r, "link": {"source": "probe", "pairs": [[1, 5e-5, 12.5e6]] * 3}})
+    assert "link alpha 50.0 us, beta 100.0 Mbit/s (ping-pong probe rank 0 <-> 3 ranks, slowest pair)" in text
+    text = format_report({**r, "link": {"source": "config"}})
+    assert "(hourglass.link_bandwidth_mbps override, no probe)" in text

@@ -23,7 +23,7 @@ _EXPORTS = {
     "split_model": "split", "SplitModel": "split", "SplitError": "split", "find_boundary": "split",
     "HourglassTrainer": "step",
     "CostInputs": "costmodel", "choose_fc_workers": "costmodel", "measure_costs": "costmodel",
-    "stage_times": "costmodel",
+    "stage_times": "costmodel", "probe_link": "costmodel", "link_inputs": "costmodel",
     "BoundaryCodec": "boundary", "BoundaryCodecError": "boundary",
 }
 

@@ -12,9 +12,12 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   training, so this overestimates sparse codecs' bytes), in ``hourglass.micro_batches`` messages;
   ``codec_s``: encode + decode seconds per example for both directions together (one warm-up
   round, then the median of 3);
-* ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link: a short
-  point-to-point ping-pong between rank 0 and every other rank (8 B x 20 for ``alpha``, 1 MiB x 3
-  for ``beta``; medians; the slowest pair counts, as the slowest link bounds a step);
+* ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link:
+  :func:`hgsgc.hourglass.costmodel.link_inputs`, the same probe as ``fc_workers: auto``: a
+  short point-to-point ping-pong between rank 0 and every other rank
+  (:func:`~hgsgc.hourglass.costmodel.probe_link`: 8 B x 20 for ``alpha``, 1 MiB x 3 for
+  ``beta``; medians; the slowest pair counts, as the slowest link bounds a step), unless
+  ``hourglass.link_bandwidth_mbps`` overrides it (no probe, ``alpha = 0``);
 * the gradient payloads of one exchange (data parallel: the whole model with the configured
   compression; Hourglass: the trunk with it, the head with ``hourglass.fc_method``) from
   :func:`hgsgc.compression.codec.exchange_payload_bytes`.
@@ -33,47 +36,11 @@ inputs, every prediction and the choice, and they are written to ``summary.json`
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import numpy as np
 
-
-def probe_link(comm, small_reps: int = 20, big_bytes: int = 1 << 20, big_reps: int = 3) -> dict:
-    """Ping-pong between rank 0 and each other rank; collective over ``comm``.
-
-    Returns (on every rank): ``{"alpha_s": one-way latency of an 8-byte message, "beta_Bps":
-    one-way bandwidth of a ``big_bytes`` message, "pairs": [[rank, alpha, beta], ...]}`` where
-    ``alpha`` is the largest per-pair median and ``beta`` the smallest (the slowest link).
-    """
-    rank, n = comm.Get_rank(), comm.Get_size()
-    small = np.zeros(1, np.float64)
-    big = np.zeros(big_bytes, np.uint8)
-    pairs = []
-    for peer in range(1, n):
-        comm.Barrier()
-        if rank not in (0, peer):
-            continue
-        other = peer if rank == 0 else 0
-        res = []
-        for buf, reps in ((small, small_reps), (big, big_reps)):
-            ts = []
-            for _ in range(reps + 1):  # the first round trip warms the connection up
-                t0 = time.perf_counter()
-                if rank == 0:
-                    comm.Send(buf, dest=other, tag=77)
-                    comm.Recv(buf, source=other, tag=77)
-                else:
-                    comm.Recv(buf, source=other, tag=77)
-                    comm.Send(buf, dest=other, tag=77)
-                ts.append((time.perf_counter() - t0) / 2)
-            res.append(float(np.median(ts[1:])))
-        if rank == 0:
-            a = res[0]
-            pairs.append([peer, a, big_bytes / max(res[1] - a, 1e-9)])
-    pairs = comm.bcast(pairs, root=0)
-    return {"alpha_s": max(p[1] for p in pairs), "beta_Bps": min(p[2] for p in pairs),
-            "pairs": pairs}
+from hgsgc.hourglass.costmodel import link_inputs, probe_link  # noqa: F401 (the one link probe)
 
 
 def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro_batches: int = 1) -> dict:
@@ -138,7 +105,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     errors = [e for _, e in gathered if e]
     if errors:
         raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
-    link = probe_link(comm)
+    link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
     report = None
     if comm.Get_rank() == 0:
         meas = {k: float(np.median([m[k] for m, _ in gathered])) for k in gathered[0][0]}
@@ -158,6 +125,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
             micro_batches=int(h.micro_batches), cycle_s=perfmodel.horovod_cycle_s())
         report = perfmodel.choose_layout(inputs)
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"]}
+        report["link"] = link
     report = comm.bcast(report, root=0)
     if log is not None and comm.Get_rank() == 0:
         log(perfmodel.format_layout_report(report))

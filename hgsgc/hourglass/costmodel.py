@@ -14,8 +14,11 @@ Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field me
 * ``conv_payload`` / ``fc_payload``: gradient payload of one exchange among CONV / FC ranks
   (``setting.payload_bytes``), with ``conv_exchange`` / ``fc_exchange`` the setting's collective
   (``setting.algorithm``) and ``conv_delay`` / ``fc_delay`` the communication delays ``H``;
-* ``bandwidth``: link bandwidth in bytes per second (``hourglass.link_bandwidth_mbps * 1e6 / 8``,
-  a config value: unlike ``layout: auto``, ``fc_workers: auto`` runs no link probe);
+* ``alpha`` (seconds per message) and ``bandwidth`` (``beta``, bytes per second) of the link:
+  :func:`link_inputs`, by default the short point-to-point ping-pong :func:`probe_link` between
+  rank 0 and every other rank (the slowest pair counts), the ONE link probe of ``fc_workers:
+  auto`` and ``layout: auto``; ``hourglass.link_bandwidth_mbps`` (default null) is only an
+  explicit override (no probe; ``beta = mbps * 1e6 / 8``, ``alpha = 0``);
   ``micro_batches``: ``hourglass.micro_batches``; ``cycle_s``: Horovod's cycle time.
 
 The prediction for each ``F`` in ``1 .. floor(n / 2)`` is :func:`hgsgc.perfmodel.predict_hourglass`
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from hgsgc.costs import exchange_bytes  # noqa: F401 (re-exported; the one module of cost formulas)
 
@@ -125,6 +128,7 @@ class CostInputs:
     codec_s: float = 0.0
     micro_batches: int = 1
     cycle_s: float = 0.0
+    alpha: float = 0.0
 
     @staticmethod
     def median(items: List["CostInputs"]) -> "CostInputs":
@@ -140,14 +144,123 @@ class CostInputs:
         return asdict(self)
 
 
+# ------------------------------------------------------------------------------------------
+# The link: ONE probe for ``fc_workers: auto`` and ``layout: auto`` (docs/hourglass.md).
+#: Size of the latency probe's message (one float64) and of the bandwidth probe's (1 MiB).
+PROBE_SMALL_BYTES = 8
+PROBE_BIG_BYTES = 1 << 20
+
+
+def probe_link(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES, big_reps: int = 3) -> dict:
+    """Measure ``alpha`` and ``beta`` of the links from rank 0 to every other rank of ``comm``
+    by blocking ping-pong (``MPI Send``/``Recv``, tag 77); collective over ``comm``.
+
+    For each peer in turn (a ``Barrier`` between pairs, so one pair uses the network at a
+    time): one untimed round trip to warm the connection up, then ``small_reps`` round trips of
+    an 8-byte message and ``big_reps`` of a ``big_bytes`` message; the one-way time of a round is
+    half its wall time (``time.perf_counter``). With ``t_s``, ``t_b`` the medians of the small and
+    the big rounds, the pair's ``alpha = t_s`` (seconds per message) and
+    ``beta = big_bytes / (t_b - t_s)`` (bytes per second; the alpha-beta model ``t = alpha +
+    s / beta``, Hockney 1994). The slowest link bounds a step, so the result is the largest
+    ``alpha`` and the smallest ``beta`` over the pairs.
+
+    Args:
+        comm: an mpi4py communicator with at least 2 ranks.
+        small_reps, big_reps: timed round trips per message size (>= 1).
+        big_bytes: size of the bandwidth message in bytes (default 1 MiB).
+
+    Returns:
+        On every rank: ``{"alpha_s": float seconds, "beta_Bps": float bytes/s, "pairs":
+        [[peer rank, alpha_s, beta_Bps], ...]}`` (``n - 1`` pairs).
+
+    Raises:
+        ValueError: fewer than 2 ranks (identically on every rank, before any message).
+    """
+    import numpy as np
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    if n < 2:
+        raise ValueError(f"probe_link needs at least 2 ranks, got {n}: there is no link to measure")
+    small = np.zeros(PROBE_SMALL_BYTES // 8, np.float64)
+    big = np.zeros(int(big_bytes), np.uint8)
+    pairs = []
+    for peer in range(1, n):
+        comm.Barrier()
+        if rank not in (0, peer):
+            continue
+        other = peer if rank == 0 else 0
+        res = []
+        for buf, reps in ((small, small_reps), (big, big_reps)):
+            ts = []
+            for _ in range(max(1, int(reps)) + 1):  # the first round trip warms the connection up
+                t0 = time.perf_counter()
+                if rank == 0:
+                    comm.Send(buf, dest=other, tag=77)
+                    comm.Recv(buf, source=other, tag=77)
+                else:
+                    comm.Recv(buf, source=other, tag=77)
+                    comm.Send(buf, dest=other, tag=77)
+                ts.append((time.perf_counter() - t0) / 2)
+            res.append(float(np.median(ts[1:])))
+        if rank == 0:
+            a = res[0]
+            pairs.append([peer, a, int(big_bytes) / max(res[1] - a, 1e-9)])
+    pairs = comm.bcast(pairs, root=0)
+    return {"alpha_s": max(p[1] for p in pairs), "beta_Bps": min(p[2] for p in pairs),
+            "pairs": pairs}
+
+
+def link_inputs(comm, link_bandwidth_mbps: Optional[float] = None,
+                probe: Optional[Callable] = None) -> dict:
+    """The link of the cost model: the probe, or the config's explicit override.
+
+    ``link_bandwidth_mbps`` None (``hourglass.link_bandwidth_mbps: null``, the default): run
+    ``probe(comm)`` (default :func:`probe_link`; collective over ``comm``). A number (Mbit/s,
+    > 0): no probe, ``beta = mbps * 1e6 / 8`` bytes per second and ``alpha = 0`` (the override
+    for reproducible choices or a link the probe cannot see; nothing collective happens).
+
+    Returns:
+        ``{"source": "probe" | "config", "alpha_s": seconds per message, "beta_Bps": bytes per
+        second, "pairs": [[peer, alpha_s, beta_Bps], ...] (probe; [] for config),
+        "probe_bytes": [8, 1 MiB] (probe only)}``, identical on every rank.
+
+    Raises:
+        ValueError: ``link_bandwidth_mbps`` not > 0 (names the setting), or the probe's errors.
+    """
+    if link_bandwidth_mbps is not None:
+        if not float(link_bandwidth_mbps) > 0:
+            raise ValueError(f"hourglass.link_bandwidth_mbps={link_bandwidth_mbps!r} must be > 0 "
+                             f"(or null: probe the link)")
+        return {"source": "config", "alpha_s": 0.0, "beta_Bps": float(link_bandwidth_mbps) * 1e6 / 8.0,
+                "pairs": []}
+    out = dict((probe or probe_link)(comm))
+    out.setdefault("probe_bytes", [PROBE_SMALL_BYTES, PROBE_BIG_BYTES])
+    return {"source": "probe", **out}
+
+
+def with_link(inp: CostInputs, link: dict) -> CostInputs:
+    """``inp`` with ``alpha = link["alpha_s"]`` and ``bandwidth = link["beta_Bps"]``."""
+    import dataclasses
+
+    return dataclasses.replace(inp, alpha=float(link["alpha_s"]), bandwidth=float(link["beta_Bps"]))
+
+
+def describe_link(link: dict) -> str:
+    """One phrase saying where the link figures came from (for the log lines)."""
+    if link.get("source") == "config":
+        return "hourglass.link_bandwidth_mbps override, no probe"
+    return f"ping-pong probe rank 0 <-> {len(link.get('pairs') or [])} ranks, slowest pair"
+
+
 def layout_inputs(inp: CostInputs, world_size: int):
-    """``inp`` as :class:`hgsgc.perfmodel.LayoutInputs` for ``world_size`` ranks (alpha 0: no
-    probe here; no data-parallel candidate, so ``dp_payload`` is the sum of the two payloads)."""
+    """``inp`` as :class:`hgsgc.perfmodel.LayoutInputs` for ``world_size`` ranks (``alpha`` and
+    ``beta = bandwidth`` of the link, :func:`with_link`; no data-parallel candidate, so
+    ``dp_payload`` is the sum of the two payloads)."""
     from hgsgc import perfmodel
 
     return perfmodel.LayoutInputs(
         world_size=int(world_size), batch_size=inp.batch_size, t_conv=inp.t_conv, t_fc=inp.t_fc,
-        act_bytes=inp.act_bytes, grad_bytes=inp.grad_bytes, codec_s=inp.codec_s, alpha=0.0,
+        act_bytes=inp.act_bytes, grad_bytes=inp.grad_bytes, codec_s=inp.codec_s, alpha=inp.alpha,
         beta=inp.bandwidth, dp_payload=inp.conv_payload + inp.fc_payload, conv_payload=inp.conv_payload,
         fc_payload=inp.fc_payload, dp_algorithm=inp.conv_exchange, conv_algorithm=inp.conv_exchange,
         fc_algorithm=inp.fc_exchange, delay=int(inp.conv_delay), fc_delay=int(inp.fc_delay),
@@ -171,10 +284,14 @@ def choose_fc_workers(inp: CostInputs, world_size: int) -> dict:
         ``{"fc_workers": F, "inputs": {...}, "candidates": [stage_times for each F]}``.
 
     Raises:
-        ValueError: ``world_size < 2``.
+        ValueError: ``world_size < 2``, or no link (``inp.bandwidth <= 0``: call
+            :func:`with_link` with :func:`link_inputs` first).
     """
     if world_size < 2:
         raise ValueError(f"the Hourglass layout needs at least 2 ranks, got {world_size}")
+    if not inp.bandwidth > 0:
+        raise ValueError(f"fc_workers=auto: link bandwidth {inp.bandwidth!r} B/s: probe the link "
+                         f"(costmodel.link_inputs) or set hourglass.link_bandwidth_mbps > 0")
     cands = [stage_times(inp, world_size, F) for F in range(1, world_size // 2 + 1)]
     best = cands[0]
     for c in cands[1:]:
@@ -184,8 +301,10 @@ def choose_fc_workers(inp: CostInputs, world_size: int) -> dict:
 
 
 def format_report(report: dict) -> str:
-    """Log lines: the inputs, each ``F``'s predicted step (pipeline + exchanges), the choice."""
+    """Log lines: the inputs (with the link and where it came from), each ``F``'s predicted step
+    (pipeline + exchanges), the choice."""
     i = report["inputs"]
+    link = report.get("link") or {}
     lines = [
         f"hourglass cost model (perfmodel.predict_hourglass): t_conv {i['t_conv'] * 1e6:.1f} us/example, "
         f"t_fc {i['t_fc'] * 1e6:.1f} us/example, batch {i['batch_size']}, "
@@ -193,7 +312,8 @@ def format_report(report: dict) -> str:
         f"(codec {i.get('codec_s', 0.0) * 1e6:.1f} us/example), M {i.get('micro_batches', 1)}, "
         f"CONV payload {i['conv_payload']:.0f} B ({i['conv_exchange']}, delay {i['conv_delay']}), "
         f"FC payload {i['fc_payload']:.0f} B ({i['fc_exchange']}, delay {i.get('fc_delay', 1)}), "
-        f"link {i['bandwidth'] * 8 / 1e6:.0f} Mbit/s (config)"]
+        f"link alpha {i.get('alpha', 0.0) * 1e6:.1f} us, beta {i['bandwidth'] * 8 / 1e6:.1f} Mbit/s "
+        f"({describe_link(link) if link else 'given'})"]
     for c in report["candidates"]:
         lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
                      f"pipeline {c['pipeline_s'] * 1e3:.2f} ms, CONV exchange {c['conv_exchange_s'] * 1e3:.2f} ms, "
@@ -283,9 +403,14 @@ def median_seconds(fn, args, repeats: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 def measure_costs(split, batch_size: int, conv_compression, fc_compression,
-                  link_bandwidth_mbps: float, repeats: int = 3, act_codec="fp32",
+                  link_bandwidth_mbps: Optional[float] = None, repeats: int = 3, act_codec="fp32",
                   grad_codec="fp32", micro_batches: int = 1, cycle_s: float = 0.0) -> CostInputs:
     """Time the trunk and the head on random data on this rank and build :class:`CostInputs`.
+
+    The link is not measured here (the probe is collective, this runs on one rank):
+    ``link_bandwidth_mbps`` None (default) leaves ``bandwidth = alpha = 0``, to be filled by
+    :func:`with_link` (:class:`~hgsgc.hourglass.layout.Layout` does, with :func:`link_inputs`);
+    a number sets ``bandwidth = mbps * 1e6 / 8`` B/s and ``alpha = 0``.
 
     ``act_codec`` / ``grad_codec``: the configured boundary codecs (:func:`configured_codecs`);
     ``act_bytes`` / ``grad_bytes`` are :func:`boundary_bytes` of the trunk's activations of the
@@ -320,7 +445,7 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
         act_bytes=act_bytes, grad_bytes=grad_bytes,
         conv_payload=float(payload_bytes(cc, [tuple(v.shape) for v in trunk.trainable_variables])),
         fc_payload=float(payload_bytes(fcc, [tuple(v.shape) for v in head.trainable_variables])),
-        bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0,
+        bandwidth=float(link_bandwidth_mbps) * 1e6 / 8.0 if link_bandwidth_mbps is not None else 0.0,
         conv_exchange=_algorithm(cc), fc_exchange=_algorithm(fcc), conv_delay=int(cc.delay),
         fc_delay=int(fcc.delay), codec_s=codec_seconds(act_codec, grad_codec, a2, g2, repeats),
         micro_batches=int(micro_batches), cycle_s=float(cycle_s))

@@ -117,6 +117,11 @@ class Layout:
             :class:`hgsgc.hourglass.costmodel.CostInputs` measured on this rank. Every rank
             measures; the per-field medians go into :func:`~hgsgc.hourglass.costmodel.choose_fc_workers`
             on rank 0, whose choice is broadcast.
+        link: for ``"auto"``: a zero-argument COLLECTIVE callable (every rank calls it, after the
+            measurements) returning the link dict of
+            :func:`hgsgc.hourglass.costmodel.link_inputs` (``alpha_s``, ``beta_Bps``,
+            ``source``); default: ``link_inputs(comm)``, the ping-pong probe. Its ``alpha`` and
+            ``beta`` replace the cost inputs' and it is reported as ``cost_report["link"]``.
         log: callable for the cost-model inputs and choice (rank 0 only); None: silent.
         init_horovod: initialise Horovod with the role process set (default True).
 
@@ -133,7 +138,8 @@ class Layout:
     """
 
     def __init__(self, comm=None, fc_workers: Union[int, str] = 1, *,
-                 cost: Optional[Callable[[], "object"]] = None, log: Optional[Callable] = None,
+                 cost: Optional[Callable[[], "object"]] = None, link: Optional[Callable[[], dict]] = None,
+                 log: Optional[Callable] = None,
                  init_horovod: bool = True):
         from mpi4py import MPI
 
@@ -145,7 +151,7 @@ class Layout:
             raise LayoutError("hourglass.fc_workers=auto needs the cost-model inputs (cost=...)")
         self.cost_report = None
         if fc_workers == "auto":
-            fc_workers = self._auto(cost, log)
+            fc_workers = self._auto(cost, link, log)
         self.plan = plan_layout(self.world_size, fc_workers)
         self.role = self.plan.role(self.rank)
         self.is_fc = self.role == "fc"
@@ -171,8 +177,8 @@ class Layout:
     def n_conv(self) -> int:
         return self.plan.n_conv
 
-    def _auto(self, cost, log) -> int:
-        from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers
+    def _auto(self, cost, link, log) -> int:
+        from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, link_inputs, with_link
 
         try:
             mine, err = cost(), None
@@ -182,11 +188,18 @@ class Layout:
         errors = [e for _, e in gathered if e]
         if errors:
             raise RuntimeError("fc_workers=auto: cost measurement failed on " + "; ".join(errors))
-        report = None
+        lk = link() if link is not None else link_inputs(self.world)  # collective: every rank
+        report, err = None, None
         if self.rank == 0:
-            inputs = CostInputs.median([g for g, _ in gathered])
-            report = choose_fc_workers(inputs, self.world_size)
-        report = self.world.bcast(report, root=0)
+            try:
+                inputs = with_link(CostInputs.median([g for g, _ in gathered]), lk)
+                report = choose_fc_workers(inputs, self.world_size)
+                report["link"] = lk
+            except Exception as exc:  # broadcast, so no rank waits for a report that never comes
+                err = f"{type(exc).__name__}: {exc}"
+        report, err = self.world.bcast((report, err), root=0)
+        if err:
+            raise RuntimeError("fc_workers=auto: " + err)
         self.cost_report = report
         if log is not None and self.rank == 0:
             from hgsgc.hourglass.costmodel import format_report

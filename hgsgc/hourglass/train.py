@@ -257,7 +257,7 @@ def run(cfg, log=print) -> dict:
     from hgsgc.tasks import make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
-    from hgsgc.hourglass.costmodel import configured_codecs, measure_costs
+    from hgsgc.hourglass.costmodel import configured_codecs, link_inputs, measure_costs
     from hgsgc.perfmodel import horovod_cycle_s
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
@@ -274,14 +274,15 @@ def run(cfg, log=print) -> dict:
     split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
     b = cfg.train.batch_size
 
-    cost = None
+    cost = link = None
     if cfg.hourglass.fc_workers == "auto":
         act_codec, grad_codec = configured_codecs(cfg.hourglass)
         cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
-                                     cfg.hourglass.link_bandwidth_mbps, act_codec=act_codec,
-                                     grad_codec=grad_codec, micro_batches=cfg.hourglass.micro_batches,
-                                     cycle_s=horovod_cycle_s())
-    layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, log=log if is_root else None)
+                                     act_codec=act_codec, grad_codec=grad_codec,
+                                     micro_batches=cfg.hourglass.micro_batches, cycle_s=horovod_cycle_s())
+        # the link: the ping-pong probe layout: auto uses too, or the explicit config override
+        link = lambda: link_inputs(world, cfg.hourglass.link_bandwidth_mbps)  # noqa: E731
+    layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, link=link, log=log if is_root else None)
     C, F = layout.n_conv, layout.n_fc
     _, steps_per_epoch = task.train_data(0, C, 0)
     if steps_per_epoch < 1:

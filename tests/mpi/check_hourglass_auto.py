@@ -1,0 +1,90 @@
+"""Run under mpirun (2, 3 or 4 ranks): the link probe of ``fc_workers: auto`` / ``layout: auto``;
+rank 0 prints one ``RESULT {...}`` JSON line, tests/test_hourglass_auto_mpi.py asserts on it.
+
+Usage: ``check_hourglass_auto.py RUN_DIR``.
+
+* every rank: :func:`hgsgc.hourglass.costmodel.link_inputs` with the real ping-pong probe (what
+  each rank got) and with the config override (no probe);
+* ``Layout(world, "auto")`` (no Horovod) on FIXED cost inputs (every rank returns the same
+  :class:`CostInputs`), with the default link (the real probe) and with injected links
+  (a fixed probe result; the config override): the report and the choice of every rank;
+* 3 ranks: ``layout: auto`` (:func:`hgsgc.hourglass.auto.choose`) with the config override;
+* 2 ranks: a short real ``hgsgc.hourglass.train.run`` with ``fc_workers=auto`` writing RUN_DIR
+  (its summary.json must carry the probed link).
+"""
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+from mpi4py import MPI  # noqa: E402
+
+from hgsgc.hourglass.costmodel import CostInputs, link_inputs  # noqa: E402
+from hgsgc.hourglass.layout import Layout  # noqa: E402
+
+world = MPI.COMM_WORLD
+rank, n = world.Get_rank(), world.Get_size()
+out = {}
+
+# 1. the probe and the override, on every rank
+out["probe"] = link_inputs(world)
+out["override"] = link_inputs(world, 250.0)
+
+# 2. fc_workers: auto on fixed inputs (the test recomputes the model on them)
+FIXED = dict(t_conv=1e-3, t_fc=1e-3, batch_size=32, act_bytes=1000.0, grad_bytes=1000.0,
+             conv_payload=1e5, fc_payload=7e6, bandwidth=0.0, conv_exchange="ring",
+             fc_exchange="ring", codec_s=1e-5, micro_batches=1, cycle_s=0.005)
+out["fixed"] = FIXED
+
+
+def fixed_cost():
+    return CostInputs(**FIXED)
+
+
+def auto_layout(link=None):
+    lay = Layout(world, "auto", cost=fixed_cost, link=link, init_horovod=False)
+    return {"n_fc": lay.n_fc, "role": lay.role, "report": lay.cost_report}
+
+
+out["auto_probe"] = auto_layout()                                   # default link: the probe
+SLOW = {"alpha_s": 50e-6, "beta_Bps": 12.5e6, "pairs": [[p, 50e-6, 12.5e6] for p in range(1, n)]}
+FAST = {"alpha_s": 1e-6, "beta_Bps": 1.25e10, "pairs": [[p, 1e-6, 1.25e10] for p in range(1, n)]}
+out["auto_slow"] = auto_layout(lambda: link_inputs(world, probe=lambda c: SLOW))
+out["auto_fast"] = auto_layout(lambda: link_inputs(world, probe=lambda c: FAST))
+out["auto_override"] = auto_layout(lambda: link_inputs(world, 100.0))
+
+# 3. layout: auto with the override (no probe)
+if n == 3:
+    from hgsgc.config import load_config
+    from hgsgc.hourglass.auto import choose
+    from hgsgc.hourglass.split import split_model
+    from hgsgc.models import build_model
+
+    cfg = load_config(None, ["layout=auto", "model.name=tiny", "train.batch_size=8",
+                             "hourglass.link_bandwidth_mbps=100"])
+    split = split_model(build_model("tiny", seed=5))
+    xb = np.random.default_rng(3).random((8, 28, 28, 1), dtype=np.float32)
+    rep = choose(world, split, xb, cfg)
+    out["layout_auto_override"] = {"link": rep["link"], "alpha": rep["inputs"]["alpha"],
+                                   "beta": rep["inputs"]["beta"], "layout": rep["layout"]}
+
+# 4. a short real run with fc_workers: auto
+if n == 2 and len(sys.argv) > 1:
+    from hgsgc.config import load_config
+    from hgsgc.hourglass.train import run
+
+    lines = []
+    cfg = load_config(None, [
+        "layout=hourglass", "model.name=tiny", "train.epochs=1", "train.max_steps_per_epoch=2",
+        "train.batch_size=8", "train.threads=1", "train.progress=false", "data.train_limit=400",
+        "data.test_limit=100", f"run.out_dir={sys.argv[1]}", "run.id=auto", "hourglass.fc_workers=auto"])
+    summary = run(cfg, log=lines.append)
+    out["run"] = {"cost_model": summary["hourglass"]["cost_model"], "fc_workers": summary["hourglass"]["fc_workers"],
+                  "log": [ln for ln in lines if "cost model" in ln or "link" in ln]}
+
+ranks = world.gather(out, root=0)
+if rank == 0:
+    print("RESULT " + json.dumps({"size": n, "ranks": ranks}), flush=True)

@@ -1,0 +1,101 @@
+"""fc_workers: auto and layout: auto share ONE link probe (hgsgc.hourglass.costmodel.link_inputs):
+under mpirun with 2, 3 and 4 ranks (tests/mpi/check_hourglass_auto.py, one launch per rank count)
+the probe is run, reported identically on every rank, fed to the model, and the choice follows
+hgsgc.perfmodel.predict_hourglass on the fixed inputs of the script; the config value
+hourglass.link_bandwidth_mbps is only an explicit override (no probe)."""
+import json
+import os
+
+import pytest
+
+from hgsgc.hourglass.costmodel import CostInputs, stage_times
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def result(request, tmp_path_factory):
+    from conftest import mpi_result
+
+    out = tmp_path_factory.mktemp(f"auto{request.param}")
+    res = mpi_result(request.param, ["tests/mpi/check_hourglass_auto.py", str(out)], timeout=600)
+    res["out_dir"] = str(out)
+    return res
+
+
+def _best_by_hand(fixed, n, alpha, beta):
+    """The F the model predicts fastest, recomputed here: throughput C b / T(F) of
+    perfmodel.predict_hourglass for every F = 1 .. n/2 (ties: fewer FC ranks)."""
+    inp = CostInputs(**{**fixed, "alpha": alpha, "bandwidth": beta})
+    cands = [stage_times(inp, n, F) for F in range(1, n // 2 + 1)]
+    best = cands[0]
+    for c in cands[1:]:
+        if c["throughput"] > best["throughput"] * (1 + 1e-9):
+            best = c
+    return best["fc_workers"], cands
+
+
+@pytest.mark.mpi
+def test_probe_is_run_and_identical_on_every_rank(result):
+    n = result["size"]
+    probes = [r["probe"] for r in result["ranks"]]
+    p = probes[0]
+    assert all(q == p for q in probes)                               # broadcast from rank 0
+    assert p["source"] == "probe" and p["probe_bytes"] == [8, 1 << 20]
+    assert [q[0] for q in p["pairs"]] == list(range(1, n))            # rank 0 <-> every other rank
+    assert p["alpha_s"] == max(q[1] for q in p["pairs"]) > 0          # the slowest pair counts
+    assert p["beta_Bps"] == min(q[2] for q in p["pairs"]) > 0
+    # the override: no probe, beta = 250 Mbit/s in bytes per second, alpha 0, no pairs
+    for r in result["ranks"]:
+        assert r["override"] == {"source": "config", "alpha_s": 0.0, "beta_Bps": 250e6 / 8, "pairs": []}
+
+
+@pytest.mark.mpi
+def test_fc_workers_auto_reports_the_probe_and_follows_the_model(result):
+    n = result["size"]
+    fixed = result["ranks"][0]["fixed"]
+    for key, want_F in (("auto_probe", None), ("auto_slow", 1), ("auto_fast", 2), ("auto_override", 1)):
+        outs = [r[key] for r in result["ranks"]]
+        rep = outs[0]["report"]
+        assert all(o["report"] == rep for o in outs), key             # one report, broadcast
+        lk, inp = rep["link"], rep["inputs"]
+        # the probed (or injected / overriding) link is what the model was given
+        assert inp["alpha"] == lk["alpha_s"] and inp["bandwidth"] == lk["beta_Bps"], key
+        F, cands = _best_by_hand(fixed, n, lk["alpha_s"], lk["beta_Bps"])
+        assert rep["fc_workers"] == F and all(o["n_fc"] == F for o in outs), key
+        assert [c["step_s"] for c in rep["candidates"]] == pytest.approx([c["step_s"] for c in cands], rel=1e-12)
+        roles = [o["role"] for o in outs]
+        assert roles == ["conv"] * (n - F) + ["fc"] * F, key
+        if n >= 4 and want_F is not None:   # with 2 or 3 ranks F = 1 is the only candidate
+            assert F == want_F, key
+        if n < 4:
+            assert F == 1 and len(cands) == 1
+    probe = result["ranks"][0]["auto_probe"]["report"]["link"]
+    assert probe["source"] == "probe" and probe["alpha_s"] > 0 and probe["beta_Bps"] > 0
+    assert len(probe["pairs"]) == n - 1
+    assert result["ranks"][0]["auto_override"]["report"]["link"]["source"] == "config"
+    assert result["ranks"][0]["auto_override"]["report"]["inputs"]["bandwidth"] == 100e6 / 8
+
+
+@pytest.mark.mpi
+def test_layout_auto_honours_the_override(result):
+    if result["size"] != 3:
+        return
+    o = result["ranks"][0]["layout_auto_override"]
+    assert all(r["layout_auto_override"] == o for r in result["ranks"])
+    assert o["link"]["source"] == "config" and o["alpha"] == 0.0 and o["beta"] == 100e6 / 8
+
+
+@pytest.mark.mpi
+def test_run_writes_the_probe_to_summary(result):
+    if result["size"] != 2:
+        return
+    with open(os.path.join(result["out_dir"], "auto", "summary.json")) as f:
+        s = json.load(f)
+    cm = s["hourglass"]["cost_model"]
+    assert s["hourglass"]["fc_workers_setting"] == "auto" and s["hourglass"]["fc_workers"] == cm["fc_workers"] == 1
+    lk = cm["link"]
+    assert lk["source"] == "probe" and lk["alpha_s"] > 0 and lk["beta_Bps"] > 0 and len(lk["pairs"]) == 1
+    assert cm["inputs"]["alpha"] == lk["alpha_s"] and cm["inputs"]["bandwidth"] == lk["beta_Bps"]
+    assert result["ranks"][0]["run"]["cost_model"] == cm               # what run() returned
+    log = "\n".join(result["ranks"][0]["run"]["log"])
+    assert f"alpha {lk['alpha_s'] * 1e6:.1f} us, beta {lk['beta_Bps'] * 8 / 1e6:.1f} Mbit/s" in log
+    assert "ping-pong probe rank 0 <-> 1 ranks" in log and "fc_workers=auto -> 1 FC ranks" in log
