@@ -99,3 +99,22 @@ def test_run_writes_the_probe_to_summary(result):
     log = "\n".join(result["ranks"][0]["run"]["log"])
     assert f"alpha {lk['alpha_s'] * 1e6:.1f} us, beta {lk['beta_Bps'] * 8 / 1e6:.1f} Mbit/s" in log
     assert "ping-pong probe rank 0 <-> 1 ranks" in log and "fc_workers=auto -> 1 FC ranks" in log
+
+
+@pytest.mark.mpi
+def test_layout_auto_runs_the_configured_task(result):
+    """layout: auto builds the configured task's model and reads its data (a CIFAR-format vgg16
+    here), runs the chosen layout and records the probe, the predictions and the choice."""
+    if result["size"] != 2:
+        return
+    with open(os.path.join(result["out_dir"], "layout_auto", "summary.json")) as f:
+        s = json.load(f)
+    c = s["layout_choice"]
+    assert s["layout_setting"] == "auto" and s["layout"] == c["layout"] in ("data_parallel", "hourglass")
+    assert c["link"]["source"] == "probe" and c["inputs"]["alpha"] == c["link"]["alpha_s"] > 0
+    assert c["inputs"]["beta"] == c["link"]["beta_Bps"] > 0 and c["inputs"]["world_size"] == 2
+    assert c["inputs"]["batch_size"] == 8 and len(c["predictions"]) == 2           # DP + F = 1
+    best = max(c["predictions"], key=lambda p: p["throughput"])
+    assert (c["layout"], c["fc_workers"]) == (best["layout"], best["fc_workers"])
+    assert s["model"] == "vgg16"
+    assert result["ranks"][0]["layout_auto_run"]["choice"] == c

@@ -145,18 +145,20 @@ def run(cfg, run_layout, log=print) -> dict:
 
     from mpi4py import MPI
 
-    from hgsgc.data import load_fashion_mnist
     from hgsgc.hourglass.split import SplitError, split_model
-    from hgsgc.models import build_model
     from hgsgc.loop import setup_threads
+    from hgsgc.tasks import make_task
 
     world = MPI.COMM_WORLD
     setup_threads(cfg.train.threads)
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(cfg.run.seed)
+    # the configured task's data and model (format, width, input shape, classes), as the runners
+    # build them; a DataError here is raised on every rank, before any collective
+    task = make_task(cfg)
     try:
-        split = split_model(build_model(cfg.model.name, seed=cfg.run.seed), cfg.hourglass.split_layer)
+        split = split_model(task.build_model(), cfg.hourglass.split_layer)
     except SplitError as exc:
         split, reason = None, str(exc)
     if split is None or world.Get_size() < 2:
@@ -165,8 +167,8 @@ def run(cfg, run_layout, log=print) -> dict:
         if world.Get_rank() == 0:
             log(f"layout auto -> data_parallel ({report['reason']})")
     else:
-        data = load_fashion_mnist(cfg.data.path, cfg.data.train_limit, cfg.data.test_limit)
-        x = data.x_train[:cfg.train.batch_size]
+        batches, _ = task.train_data(0, 1, 0)  # the first training batch of epoch 0 (every rank the same)
+        x = np.asarray(next(iter(batches))[0], dtype=np.float32)
         report = choose(world, split, x, cfg, log=log)
     h = cfg.hourglass
     if report["layout"] == "hourglass":

@@ -10,7 +10,8 @@ Usage: ``check_hourglass_auto.py RUN_DIR``.
   (a fixed probe result; the config override): the report and the choice of every rank;
 * 3 ranks: ``layout: auto`` (:func:`hgsgc.hourglass.auto.choose`) with the config override;
 * 2 ranks: a short real ``hgsgc.hourglass.train.run`` with ``fc_workers=auto`` writing RUN_DIR
-  (its summary.json must carry the probed link).
+  (its summary.json must carry the probed link), and a short ``layout=auto`` run of a
+  CIFAR-format task (vgg16, width 1/16) through ``hgsgc.train.run``.
 """
 import json
 import sys
@@ -84,6 +85,18 @@ if n == 2 and len(sys.argv) > 1:
     summary = run(cfg, log=lines.append)
     out["run"] = {"cost_model": summary["hourglass"]["cost_model"], "fc_workers": summary["hourglass"]["fc_workers"],
                   "log": [ln for ln in lines if "cost model" in ln or "link" in ln]}
+
+    # layout: auto end to end on a CIFAR-format task (the task's own data and model: vgg16)
+    from hgsgc.train import run as run_any
+
+    cfg = load_config(None, [
+        "layout=auto", "data.format=cifar10", "model.name=vgg16", "model.width=0.0625",
+        "train.epochs=1", "train.max_steps_per_epoch=2", "train.batch_size=8", "train.threads=1",
+        "train.progress=false", "data.train_limit=400", "data.test_limit=100",
+        f"run.out_dir={sys.argv[1]}", "run.id=layout_auto", "hourglass.act_codec=sparse+q8",
+        "hourglass.grad_codec=sparse+q8", "compression.method=sgc", "compression.density=0.05"])
+    summary = run_any(cfg, log=lines.append)
+    out["layout_auto_run"] = {"layout": summary["layout"], "choice": summary["layout_choice"]}
 
 ranks = world.gather(out, root=0)
 if rank == 0:
