@@ -125,21 +125,30 @@ class Exchanger:
         return self._plan
 
     def costs(self, shapes: Sequence[Sequence[int]]) -> dict:
-        """This rank's closed-form cost of one sparse exchange of float32 ``shapes``.
+        """This rank's closed-form cost of one sparse exchange of float32 ``shapes``
+        (with ``dense_vectors``: the sparse collective plus one ring allreduce of the rank < 2 tensors).
 
         Returns:
             ``{"bytes_sent", "bytes_received", "messages", "rounds", "inter_bytes_sent",
             "inter_bytes_received", "payload_bytes"}`` from :mod:`hgsgc.costs` (``inter_*``:
             between hosts, for ``hierarchy="node"``).
         """
-        P, n, h = self.payload_bytes(shapes), self.size, self.hierarchy
+        comp, n, h = self._compression, self.size, self.hierarchy
+        dense = sum(b for a, b in comp.collectives(shapes) if a == "ring") if getattr(comp, "dense_vectors", False) else 0
+        P = self.payload_bytes(shapes) - dense
         if h == "tree":
             out = costs.tree_cost(n, self.rank, P)
         elif h == "node":
             out = costs.node_cost(self.plan().hosts, self.rank, P)
         else:
             out = costs.allgather_cost(n, P)
-        out["payload_bytes"] = P
+        if dense:  # dense_vectors: plus one fp32 ring allreduce of the rank < 2 tensors
+            r = costs.ring_allreduce_bytes(n, dense)
+            for key in ("bytes_sent", "bytes_received", "inter_bytes_sent", "inter_bytes_received"):
+                out[key] += r
+            out["messages"] += 1
+            out["rounds"] += costs.ring_allreduce_rounds(n)
+        out["payload_bytes"] = P + dense
         return out
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:

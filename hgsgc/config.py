@@ -94,6 +94,7 @@ class CompressionConfig:
     momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
     warmup_steps: int = 0  # DGC warm-up of sparsity: density 0.25 -> 0.004 in 4 stages
     local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
+    dense_vectors: bool = False  # topk/sgc/dgc: biases and batch-norm parameters (rank < 2) averaged densely, as DGC
     powersgd_rank: int = 4  # PowerSGD rank r
     terngrad_clip_sigma: float = 2.5  # TernGrad gradient clipping at c standard deviations (0 = off)
 
@@ -246,6 +247,10 @@ def validate(cfg: Config) -> None:
         bad("train.lr", t.lr, "must be > 0")
     if not 0 <= t.momentum < 1:
         bad("train.momentum", t.momentum, "must be in [0, 1)")
+    if c.dense_vectors and not sparse:
+        bad("compression.dense_vectors", c.dense_vectors,
+            "dense averaging of rank < 2 tensors is part of the sparse methods: use method topk, sgc or dgc, "
+            "or remove it")
     if c.warmup_steps and not sparse:
         bad("compression.warmup_steps", c.warmup_steps,
             "warm-up of sparsity needs method topk, sgc or dgc")

@@ -140,6 +140,13 @@ def test_config_builds_each_baseline():
     # bits default per method: topk sends fp32 values, sgc 2-bit
     assert compression_from_config(load_config(CFG, ["compression.method=topk"]).compression).bits == 32
     assert compression_from_config(load_config(CFG, ["compression.method=sgc"]).compression).bits == 2
+    c = compression_from_config(load_config(CFG, ["compression.method=sgc", "compression.dense_vectors=true"]).compression)
+    assert c.dense_vectors and not compression_from_config(
+        load_config(CFG, ["compression.method=sgc"]).compression).dense_vectors
+    # payload by formula: the rank < 2 shapes count 4 bytes per entry (their ring allreduce)
+    shapes = [(40, 30), (17,), (1,)]
+    assert c.collectives(shapes) == (("ring", 4 * 18), ("allgather", c.codec().payload_length(1200)))
+    assert c.payload_bytes(shapes) == 4 * 18 + c.codec().payload_length(1200)
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -160,6 +167,7 @@ def test_config_builds_each_baseline():
     ("compression.method=powersgd compression.bits=2", "compression.bits"),
     ("hourglass.micro_batches=4", "hourglass.micro_batches"),
     ("hourglass.wire_dtype=float16", "hourglass.wire_dtype"),
+    ("compression.method=powersgd compression.dense_vectors=true", "compression.dense_vectors"),
 ])
 def test_bad_baseline_config_names_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -200,3 +208,15 @@ def test_local_clipping_and_models_identical_across_ranks(result):
         for method in ("dgc", "terngrad", "powersgd"):
             assert r["optimizer"][method]["spread"] == 0.0, method
             assert r["optimizer"][method]["moved"] > 0.0, method
+
+
+@pytest.mark.mpi
+def test_dense_vectors_average_biases_densely_with_momentum_after_the_average(result):
+    """DGC's reference practice: rank < 2 tensors skip sparsification (check_baselines.py part 4)."""
+    for r in result["ranks"]:
+        assert r["dense_vectors_vec_err"] < 1e-6, r["dense_vectors_vec_err"]
+        assert r["dense_vectors_mat_err"] == 0.0
+        assert r["dense_vectors_velocity"] == ["t0", "t1", "t2", "t3", "t5"]
+        assert r["dense_vectors_costs"] is True
+        for key, val in r["dense_vectors_formula"].items():
+            assert r["dense_vectors_bytes"][key] == val, (key, r["dense_vectors_bytes"], val)

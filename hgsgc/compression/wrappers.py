@@ -201,6 +201,40 @@ class CommunicationDelay:
                 self.local_step.assign(int(state["local_step"]))
 
 
+class DenseVectors:
+    """The dense part of a sparse setting with ``dense_vectors`` (tensors of rank < 2).
+
+    They are averaged by one grouped fp32 ring allreduce; with DGC momentum correction on (the
+    optimizer then runs with momentum 0) their momentum is applied after the average,
+    ``u[name] = m u[name] + avg`` and ``u`` is returned: plain momentum SGD for these tensors,
+    as Deep Gradient Compression's reference implementation does for the parameters it does not
+    sparsify. State: the ``velocity`` store shared with :class:`MomentumCorrection`.
+
+    Args:
+        reducer: a :class:`hgsgc.compression.reducers.DenseAllreduce`.
+        momentum: ``m`` in [0, 1), or None (no momentum here: the optimizer applies it).
+        velocity: the store holding ``u`` (needed when ``momentum`` is set).
+    """
+
+    def __init__(self, reducer, momentum: Optional[float] = None, velocity: Optional[VariableStore] = None):
+        self.reducer = reducer
+        self.momentum = None if momentum is None else float(momentum)
+        self.velocity = velocity
+
+    def run(self, tensors: List[tf.Tensor], names: List[str], ctx: Context) -> List[tf.Tensor]:
+        """Averages of ``tensors`` (float, any shape; same shapes and dtypes back)."""
+        avgs = self.reducer.reduce_raw([tf.cast(t, tf.float32) for t in tensors], ctx)
+        if self.momentum is None:
+            return [tf.cast(a, t.dtype) for a, t in zip(avgs, tensors)]
+        out = []
+        for a, t, nm in zip(avgs, tensors, names):
+            u = self.velocity.variable(nm, a.shape)
+            new = self.momentum * u + a
+            with tf.control_dependencies([u.assign(new)]):
+                out.append(tf.cast(tf.identity(new), t.dtype))
+        return out
+
+
 @dataclass
 class Pipeline:
     """One method's composition: optional local clipping, then ``reducer`` (wrappers inside).
@@ -212,15 +246,31 @@ class Pipeline:
 
     reducer: Reducer
     clip_norm: Optional[float] = None
+    dense: Optional[DenseVectors] = None
 
     def run(self, tensors: List, names: List[str], ctx: Context) -> List:
         """Average floating, non-empty ``tensors`` (any shapes / float dtypes) over the ranks.
+
+        With ``dense`` set, tensors of rank < 2 go to it (after local clipping, which sees all
+        tensors) and the rest to ``reducer``.
 
         Returns:
             averages with the tensors' shapes and dtypes.
         """
         if self.clip_norm:
             tensors = clip_by_global_norm_local(tensors, self.clip_norm, ctx.comm.size)
+        if self.dense is not None:
+            vec = [i for i, t in enumerate(tensors) if t.shape.rank < 2]
+            if vec:
+                mat = [i for i in range(len(tensors)) if i not in set(vec)]
+                out = [None] * len(tensors)
+                for i, a in zip(vec, self.dense.run([tensors[i] for i in vec], [names[i] for i in vec], ctx)):
+                    out[i] = a
+                if mat:
+                    rest = Pipeline(self.reducer).run([tensors[i] for i in mat], [names[i] for i in mat], ctx)
+                    for i, a in zip(mat, rest):
+                        out[i] = a
+                return out
         views = [self.reducer.view(t) for t in tensors]
         avgs, _ = self.reducer.reduce(views, names, ctx)
         return [tf.cast(tf.reshape(a, t.shape), t.dtype) for a, t in zip(avgs, tensors)]
