@@ -17,9 +17,12 @@ node (host hierarchy)      see :func:`node_cost`         ``tree_rounds(hosts) + 
 
 The alpha-beta performance model (:mod:`hgsgc.perfmodel`) charges the busiest rank
 :func:`exchange_bytes` bytes in :func:`exchange_messages` sequential messages per exchange, and
-:func:`exchange_merges` payload decodes. Its allgather latency term is the ``n - 1`` steps of a
-ring allgather (what Open MPI runs for large ``allgatherv`` payloads), a conservative figure beside
-the latency-optimal ``ceil(log2 n)`` rounds the byte counters record (:func:`allgather_rounds`).
+:func:`exchange_merges` payload decodes, except for Horovod's allreduce (``ring``) and allgather,
+whose bytes and messages it takes from :func:`ompi_collective_cost`: what Open MPI 4.1 actually
+runs (its coll/tuned algorithm choice, traced on this machine; e.g. Bruck's ``ceil(log2 n)``
+rounds for a 16-256 kB allgatherv on 4-7 ranks, Rabenseifner's ``2 log2 n`` messages for a large
+allreduce). The counters' figures here (``k - 1`` ring steps, ``2 (k - 1)`` ring rounds) are
+the schedules hgsgc asks for, not what the MPI library runs.
 
 The ring allreduce figure is Patarasuk & Yuan 2009 (bandwidth-optimal allreduce); the tree and
 node schedules are those of :mod:`hgsgc.hierarchy` (recursive doubling with a fold).
@@ -216,3 +219,167 @@ def exchange_merges(k: int, algorithm: str = "allgather") -> int:
     if algorithm in ("tree", "node"):
         return allgather_rounds(k)  # ceil(log2 k)
     return k - 1
+
+
+# ------------------------------------------------------------------------------------------
+# What Open MPI 4.1 actually runs (coll/tuned fixed decision), for the performance model.
+# Horovod 0.28 on CPU calls MPI_Allreduce on its fused buffer and MPI_Allgatherv on its fused
+# allgather buffer (sizes from the negotiated, cached response); Open MPI's coll/tuned module
+# picks the algorithm from the communicator size and the message size
+# (ompi/mca/coll/tuned/coll_tuned_decision_fixed.c). The ranges used by hgsgc's cells were
+# checked on this machine's Open MPI 4.1.4 by tracing the TCP sends of each rank
+# (docs/benchmarks/perfmodel.md, "Which algorithm Open MPI runs").
+OMPI_ALLREDUCE = ("basic_linear", "nonoverlapping", "recursive_doubling", "ring", "segmented_ring",
+                  "rabenseifner")
+OMPI_ALLGATHERV = ("default", "bruck", "ring", "neighbor", "two_proc")
+
+
+def _pick(table, x):
+    """The algorithm of the first ``(limit, alg)`` of ``table`` with ``x < limit`` (last: no limit)."""
+    for limit, alg in table:
+        if limit is None or x < limit:
+            return alg
+    raise AssertionError("table without a final entry")
+
+
+def ompi_allreduce_algorithm(n: int, nbytes: float) -> str:
+    """Open MPI 4.1's fixed choice for a commutative ``MPI_Allreduce`` of ``nbytes`` among ``n``
+    ranks (coll/tuned ``allreduce_intra_dec_fixed``): one of :data:`OMPI_ALLREDUCE`.
+
+    E.g. 4 ranks: recursive doubling below 8 kB, Rabenseifner (recursive halving reduce-scatter +
+    recursive doubling allgather) from 8 kB; 2 ranks: Rabenseifner from 256 kB.
+    """
+    x = float(nbytes)
+    if n < 4:
+        t = [(8, "ring"), (4096, "recursive_doubling"), (8192, "ring"), (16384, "recursive_doubling"),
+             (65536, "ring"), (262144, "segmented_ring"), (None, "rabenseifner")]
+    elif n < 8:
+        t = [(16, "ring"), (8192, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 16:
+        t = [(8192, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 32:
+        t = [(64, "segmented_ring"), (4096, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 64:
+        t = [(128, "segmented_ring"), (None, "rabenseifner")]
+    elif n < 128:
+        t = [(262144, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 256:
+        t = [(131072, "nonoverlapping"), (262144, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 512:
+        t = [(4096, "nonoverlapping"), (None, "rabenseifner")]
+    elif n < 2048:
+        t = [(2048, "nonoverlapping"), (16384, "recursive_doubling"), (None, "rabenseifner")]
+    elif n < 4096:
+        t = [(2048, "nonoverlapping"), (4096, "segmented_ring"), (16384, "recursive_doubling"),
+             (None, "rabenseifner")]
+    else:
+        t = [(2048, "nonoverlapping"), (16384, "segmented_ring"), (32768, "recursive_doubling"),
+             (None, "rabenseifner")]
+    return _pick(t, x)
+
+
+def ompi_allgatherv_algorithm(n: int, per_rank_bytes: float) -> str:
+    """Open MPI 4.1's fixed choice for ``MPI_Allgatherv`` of ``per_rank_bytes`` per rank (total /
+    n) among ``n`` ranks (coll/tuned ``allgatherv_intra_dec_fixed``): one of :data:`OMPI_ALLGATHERV`.
+
+    E.g. 4 ranks: ring for 4-8 kB, Bruck (``ceil(log2 n)`` rounds) for 16-256 kB, neighbour
+    exchange (``n / 2`` rounds) from 256 kB; 8-15 ranks: Bruck from 1 kB.
+    """
+    x = float(per_rank_bytes)
+    if n == 2:
+        t = [(2048, "ring"), (4096, "two_proc"), (8192, "ring"), (None, "two_proc")]
+    elif n < 8:
+        t = [(256, "default"), (4096, "neighbor"), (8192, "ring"), (16384, "neighbor"),
+             (262144, "bruck"), (None, "neighbor")]
+    elif n < 16:
+        t = [(1024, "default"), (None, "bruck")]
+    elif n < 32:
+        t = [(128, "default"), (262144, "bruck"), (None, "ring")]
+    elif n < 64:
+        t = [(256, "default"), (8192, "bruck"), (None, "ring")]
+    elif n < 128:
+        t = [(256, "default"), (4096, "bruck"), (None, "ring")]
+    elif n < 256:
+        t = [(1024, "bruck"), (65536, "neighbor"), (None, "ring")]
+    elif n < 512:
+        t = [(1024, "bruck"), (None, "ring")]
+    elif n < 1024:
+        t = [(512, "bruck"), (1024, "default"), (4096, "bruck"), (1048576, "neighbor"), (None, "ring")]
+    else:
+        t = [(4096, "bruck"), (None, "neighbor")]
+    return _pick(t, x)
+
+
+def _log2_floor(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def ompi_collective_cost(collective: str, n: int, nbytes: float) -> dict:
+    """The busiest rank's cost of one Open MPI collective among ``n`` ranks, as its algorithm
+    (:func:`ompi_allreduce_algorithm` / :func:`ompi_allgatherv_algorithm`) runs it.
+
+    ``collective``: ``"allreduce"`` (``nbytes`` = the buffer) or ``"allgatherv"`` (``nbytes`` =
+    one rank's contribution ``P``). With ``p = 2^floor(log2 n)`` and ``x = [n not a power of 2]``
+    (the extra fold step of the recursive algorithms):
+
+    ==================  ====================================  ================================
+    algorithm           messages (sequential)                 bytes sent
+    ==================  ====================================  ================================
+    ring / seg. ring    ``2 (n-1)``                           ``2 (n-1)/n B``
+    rabenseifner        ``2 log2 p + 2x``                     ``2 (p-1)/p B + x B``
+    recursive doubling  ``log2 p + 2x``                       ``(log2 p + x) B``
+    nonoverlapping      ``2 ceil(log2 n)`` (reduce + bcast)   ``2 ceil(log2 n) B``
+    basic_linear        ``2 (n-1)`` (at the root)             ``(n-1) B``
+    allgatherv ring     ``n-1``                               ``(n-1) P``
+    bruck               ``ceil(log2 n)``                      ``(n-1) P``
+    neighbor            ``n/2`` (n even; odd n: ring)         ``(n-1) P``
+    two_proc            ``1``                                 ``P``
+    default             ``(n-1) + ceil(log2 n)`` (gatherv     ``(n-1) P + ceil(log2 n) n P``
+                        to the root, then its broadcast)
+    ==================  ====================================  ================================
+
+    ``pairwise``: every step exchanges with ONE peer in both directions at once (recursive
+    doubling, Rabenseifner, neighbour exchange, two_proc, and any algorithm of 2 ranks); those run
+    at the pairwise rate of a link (Open MPI's TCP ``put`` protocol halves it, docs/cluster.md).
+
+    Returns:
+        ``{"algorithm", "messages", "bytes", "pairwise"}``; all 0 / False for ``n <= 1``.
+    Raises:
+        ValueError: unknown ``collective``.
+    """
+    if collective not in ("allreduce", "allgatherv"):
+        raise ValueError(f"unknown collective {collective!r}: use 'allreduce' or 'allgatherv'")
+    if n <= 1:
+        return {"algorithm": "none", "messages": 0, "bytes": 0.0, "pairwise": False}
+    B = float(nbytes)
+    L = _log2_floor(n)
+    p = 1 << L
+    x = 0 if p == n else 1
+    lg = (n - 1).bit_length()  # ceil(log2 n)
+    if collective == "allreduce":
+        alg = ompi_allreduce_algorithm(n, B)
+        if alg in ("ring", "segmented_ring"):
+            m, b, pw = 2 * (n - 1), 2 * (n - 1) / n * B, n == 2
+        elif alg == "rabenseifner":
+            m, b, pw = 2 * L + 2 * x, 2 * (p - 1) / p * B + x * B, True
+        elif alg == "recursive_doubling":
+            m, b, pw = L + 2 * x, (L + x) * B, True
+        elif alg == "nonoverlapping":
+            m, b, pw = 2 * lg, 2 * lg * B, n == 2
+        else:  # basic_linear
+            m, b, pw = 2 * (n - 1), (n - 1) * B, n == 2
+    else:
+        alg = ompi_allgatherv_algorithm(n, B)
+        if alg == "neighbor" and n % 2:
+            alg = "ring"  # Open MPI falls back to the ring for an odd communicator
+        if alg == "ring":
+            m, b, pw = n - 1, (n - 1) * B, n == 2
+        elif alg == "bruck":
+            m, b, pw = lg, (n - 1) * B, n == 2
+        elif alg == "neighbor":
+            m, b, pw = n // 2, (n - 1) * B, True
+        elif alg == "two_proc":
+            m, b, pw = 1, B, True
+        else:  # default: gatherv to rank 0 + broadcast of the n P bytes
+            m, b, pw = (n - 1) + lg, (n - 1) * B + lg * n * B, n == 2
+    return {"algorithm": alg, "messages": int(m), "bytes": float(b), "pairwise": bool(pw)}

@@ -297,16 +297,21 @@ ALGORITHMS = costs.ALGORITHMS
 def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Optional[Sequence[int]] = None) -> float:
     """Seconds the busiest of ``k`` ranks spends in one collective over ``link``.
 
-    ``link.time(costs.exchange_bytes(k, P, algorithm), costs.exchange_messages(k, algorithm))``:
-    ring allreduce ``2 (k-1)/k P`` in ``2 (k-1)`` messages (Patarasuk & Yuan 2009); allgather
-    ``(k-1) P`` in ``k - 1``; tree (:mod:`hgsgc.hierarchy`, busiest rank) ``r P`` in
-    ``r = floor(log2 k) + 2 [k not a power of two]`` pairwise swaps. Pairwise exchanges
-    (allgather, tree, and the ring of ``k = 2``, whose two ranks send to each other) run at
-    ``beta * bidir_factor``. ``node`` with ``hosts`` (ranks per host, consecutive): the tree among
-    ``len(hosts)`` leaders over ``link`` plus the leader's intra-host share of
-    :func:`hgsgc.costs.node_cost` (``(s-1) P`` in, reduce, and ``(s-1) P`` out, broadcast, for the
-    largest host of ``s`` ranks; ``2 (s-1)`` messages) over shared memory (1 us, 10 GB/s);
-    without ``hosts``, the tree over ``k``.
+    ``ring`` (Horovod's allreduce = ``MPI_Allreduce`` of the ``payload``-byte buffer) and
+    ``allgather`` (Horovod's allgather = ``MPI_Allgatherv`` of ``payload`` bytes per rank) are
+    charged as Open MPI 4.1 runs them (:func:`hgsgc.costs.ompi_collective_cost`: the algorithm its
+    coll/tuned fixed decision picks for ``k`` and the size, traced on this machine's 4.1.4): e.g.
+    on 4 ranks a 1 MB allreduce is Rabenseifner's, ``2 log2 k = 4`` messages carrying
+    ``2 (k-1)/k P``, and a 25 kB allgatherv is Bruck's, ``ceil(log2 k) = 2`` messages carrying
+    ``(k-1) P`` (not the ``2 (k-1)`` and ``k - 1`` steps of the ring schedules). Time:
+    ``messages * alpha + bytes / beta'`` with ``beta' = beta * bidir_factor`` for algorithms whose
+    steps exchange with one peer in both directions at once (``pairwise``).
+    tree (:mod:`hgsgc.hierarchy`, busiest rank) ``r P`` in
+    ``r = floor(log2 k) + 2 [k not a power of two]`` pairwise swaps. ``node`` with ``hosts``
+    (ranks per host, consecutive): the tree among ``len(hosts)`` leaders over ``link`` plus the
+    leader's intra-host share of :func:`hgsgc.costs.node_cost` (``(s-1) P`` in, reduce, and
+    ``(s-1) P`` out, broadcast, for the largest host of ``s`` ranks; ``2 (s-1)`` messages) over
+    shared memory (1 us, 10 GB/s); without ``hosts``, the tree over ``k``.
 
     Raises:
         ValueError: unknown algorithm (valid: :data:`hgsgc.costs.ALGORITHMS`).
@@ -326,8 +331,16 @@ def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Option
         intra_bytes = (c["bytes_sent"] - c["inter_bytes_sent"]) + (c["bytes_received"] - c["inter_bytes_received"])
         intra = Link(1e-6, 10e9).time(intra_bytes, 2 * (len(big) - 1)) if len(big) > 1 else 0.0
         return intra + exchange_s(len(sizes), payload, "tree", link)
+    if algorithm in ("ring", "allgather"):
+        c = costs.ompi_collective_cost("allreduce" if algorithm == "ring" else "allgatherv", k, payload)
+        return link.time(c["bytes"], c["messages"], pairwise=c["pairwise"])
     return link.time(costs.exchange_bytes(k, payload, algorithm), costs.exchange_messages(k, algorithm),
-                     pairwise=(algorithm != "ring" or k == 2))
+                     pairwise=True)
+
+
+#: Bytes of Horovod's per-cycle negotiation allreduce with the response cache on (its default):
+#: the cache bit vector (capacity 1024 -> 16 words) + one word of status flags, 8 bytes a word.
+NEGOTIATION_BYTES = 136
 
 
 def horovod_cycle_s() -> float:
@@ -345,14 +358,22 @@ def horovod_cycle_s() -> float:
 def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULATOR["cycle_s"],
                    allgathers: int = 0) -> float:
     """Horovod's time per exchange besides the data (docs/benchmarks/step_profile.md): each
-    collective waits on average half a background cycle (``cycle_s / 2``; Horovod does not wake
-    up when a tensor is enqueued) and is negotiated by one small allreduce (``ceil(log2 k)``
-    messages, :func:`hgsgc.costs.allgather_rounds`: a latency-bound collective by recursive
-    doubling); an allgather first exchanges its sizes (``ceil(log2 k)`` more)."""
+    collective of an exchange (they depend on each other, so each needs its own background cycle)
+    waits on average half a cycle (``cycle_s / 2``; Horovod's background loop does not wake up
+    when a tensor is enqueued) and one negotiation: the response cache's bit-vector allreduce of
+    :data:`NEGOTIATION_BYTES` bytes (``messages * alpha`` of
+    :func:`hgsgc.costs.ompi_collective_cost`, e.g. 2 recursive-doubling messages on 4 ranks)::
+
+        coordination = collectives * (cycle_s / 2 + m_neg * alpha)
+
+    No size exchange for an allgather: Horovod takes the sizes from the negotiated response, which
+    the response cache keeps while a tensor's shape does not change (hgsgc's payloads have a fixed
+    length), so ``allgathers`` is accepted for compatibility and adds nothing.
+    """
     if k <= 1:
         return 0.0
-    lg = costs.allgather_rounds(k)
-    return collectives * (cycle_s / 2.0 + lg * link.alpha_s) + allgathers * lg * link.alpha_s
+    neg = costs.ompi_collective_cost("allreduce", k, NEGOTIATION_BYTES)["messages"]
+    return collectives * (cycle_s / 2.0 + neg * link.alpha_s)
 
 
 @dataclass(frozen=True)

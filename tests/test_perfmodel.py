@@ -43,9 +43,17 @@ def test_link_time_and_validation():
 def test_exchange_formulas_by_hand():
     L = pm.Link(1e-4, 1e6, 0.5)
     assert pm.exchange_s(1, 4000, "ring", L) == 0
-    assert pm.exchange_s(4, 4000, "ring", L) == pytest.approx(6e-4 + 6000 / 1e6)   # one direction per link
-    assert pm.exchange_s(2, 4000, "ring", L) == pytest.approx(2e-4 + 4000 / 5e5)   # 2 ranks: pairwise
-    assert pm.exchange_s(3, 1000, "allgather", L) == pytest.approx(2e-4 + 2000 / 5e5)
+    # Open MPI 4.1's choices: 4 ranks, 4 kB allreduce = recursive doubling (2 pairwise swaps of the
+    # whole 4 kB buffer); 1 MB = Rabenseifner (4 pairwise messages, 2 (k-1)/k P bytes)
+    assert pm.exchange_s(4, 4000, "ring", L) == pytest.approx(2e-4 + 8000 / 5e5)
+    assert pm.exchange_s(4, 1e6, "ring", L) == pytest.approx(4e-4 + 1.5e6 / 5e5)
+    assert pm.exchange_s(2, 4000, "ring", L) == pytest.approx(1e-4 + 4000 / 5e5)   # 2 ranks: one swap
+    assert pm.exchange_s(5, 1e6, "ring", L) == pytest.approx(6e-4 + (1.5e6 + 1e6) / 5e5)  # 4 + fold
+    # allgatherv: 3 ranks, 1 kB: neighbour exchange, odd -> ring (2 one-way steps); 4 ranks,
+    # 25 kB: Bruck (2 rounds, 3 P bytes, not pairwise); 2 ranks 30 kB: two_proc (one swap)
+    assert pm.exchange_s(3, 1000, "allgather", L) == pytest.approx(2e-4 + 2000 / 1e6)
+    assert pm.exchange_s(4, 25000, "allgather", L) == pytest.approx(2e-4 + 75000 / 1e6)
+    assert pm.exchange_s(2, 30000, "allgather", L) == pytest.approx(1e-4 + 30000 / 5e5)
     assert pm.exchange_s(5, 1000, "tree", L) == pytest.approx(4e-4 + 4000 / 5e5)  # L=2 + fold/unfold
     assert pm.exchange_s(8, 1000, "tree", L) == pytest.approx(3e-4 + 3000 / 5e5)
     shm = pm.Link(1e-6, 10e9)
@@ -126,7 +134,7 @@ def test_predict_step_composition():
     tr = pm.Traffic((("allgather", 1000),), delay=4)
     p = pm.predict_step(0.010, 0.004, tr, 2, link, cycle_s=0.005)
     wire = 1e-4 + 1000 / 1e6
-    coord = 0.005 / 2 + 1e-4 + 1e-4  # half a cycle + negotiation + size exchange (log2 2 = 1)
+    coord = 0.005 / 2 + 1e-4  # half a cycle + negotiation (1 swap on 2 ranks); no size exchange (cached)
     assert p["wire_s"] == pytest.approx(wire / 4)
     assert p["coordination_s"] == pytest.approx(coord / 4)
     assert p["step_s"] == pytest.approx(0.010 + (0.004 + wire + coord) / 4)
@@ -207,12 +215,11 @@ PIN_KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 1024)
 def _want_exchange(k, payload, alg, link=PIN_LINK):
     if k <= 1:
         return 0.0
-    nbytes = {"ring": costs.ring_allreduce_bytes_f(k, payload), "allgather": (k - 1) * payload,
-              "tree": costs.tree_busiest_bytes(k, payload), "node": costs.tree_busiest_bytes(k, payload)}[alg]
-    # ring: 2 (k-1) rounds; allgather: the k - 1 steps of a ring allgather; tree: its rounds
-    msgs = {"ring": costs.ring_allreduce_rounds(k), "allgather": k - 1,
-            "tree": costs.tree_rounds(k), "node": costs.tree_rounds(k)}[alg]
-    pairwise = alg != "ring" or k == 2
+    if alg in ("ring", "allgather"):  # what Open MPI 4.1 runs (tested in test_ompi_* below)
+        c = costs.ompi_collective_cost("allreduce" if alg == "ring" else "allgatherv", k, payload)
+        nbytes, msgs, pairwise = c["bytes"], c["messages"], c["pairwise"]
+    else:  # hgsgc's tree: its rounds, pairwise swaps
+        nbytes, msgs, pairwise = costs.tree_busiest_bytes(k, payload), costs.tree_rounds(k), True
     return msgs * link.alpha_s + nbytes / (link.beta_Bps * (link.bidir_factor if pairwise else 1.0))
 
 
@@ -253,9 +260,9 @@ def test_pinned_traffic_and_step_predictions():
         for k in PIN_KS:
             h = setting.delay
             wire = sum(_want_exchange(k, b, alg) for alg, b in want)
-            lg = costs.allgather_rounds(k)           # ceil(log2 k): negotiation / size exchange
-            n_ag = sum(alg == "allgather" for alg, _ in want)
-            coord = 0.0 if k <= 1 else len(want) * (0.005 / 2 + lg * PIN_LINK.alpha_s) + n_ag * lg * PIN_LINK.alpha_s
+            # per collective: half a 5 ms cycle + the cache bit-vector allreduce (136 B); no size exchange
+            neg = costs.ompi_collective_cost("allreduce", k, 136)["messages"]
+            coord = 0.0 if k <= 1 else len(want) * (0.005 / 2 + neg * PIN_LINK.alpha_s)
             alg = setting.algorithm
             merges = (max(costs.tree_cost(k, r, 1)["bytes_received"] for r in range(k))
                       if alg in ("tree", "node") else k - 1) if k > 1 else 0
@@ -276,8 +283,8 @@ def test_pinned_layout_predictions():
                           micro_batches=4)
     link = pm.Link(inp.alpha, inp.beta)
     # the exchange terms are predict_step's: wire + Horovod coordination (cycle 0 here: the
-    # ceil(log2 k)-message negotiation per collective, twice that for an allgather)
-    coord = lambda k, ag=False: 0.0 if k <= 1 else costs.allgather_rounds(k) * 1e-4 * (2 if ag else 1)  # noqa: E731
+    # negotiation allreduce of 136 B per collective; no size exchange for the allgather)
+    coord = lambda k, ag=False: 0.0 if k <= 1 else costs.ompi_collective_cost("allreduce", k, 136)["messages"] * 1e-4  # noqa: E731
     dp = pm.predict_data_parallel(inp)
     assert dp["step_s"] == pytest.approx(16 * 2.5e-3 + (_want_exchange(6, 2.5e6, "tree", link) + coord(6)) / 2,
                                          rel=1e-12)
@@ -308,12 +315,15 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
     compute = 0.05
     rows = [plan_mod.method_row("fp32", Compression.none, SHAPES, n, link, compute, {"base_s": 0.0, "per_payload_s": 0.0}, cyc),
             plan_mod.method_row("sgc", sgc, SHAPES, n, link, compute, cost, cyc)]
-    # by hand: fp32 ring of 4 (d_conv + d_fc) bytes; SGC allgather of its payload P (3 messages,
-    # pairwise at beta / 2, sizes exchanged first), 3 payloads decoded
+    # by hand: fp32 allreduce of 4 (d_conv + d_fc) = 6.4 MB on 4 ranks: Open MPI's Rabenseifner
+    # (4 pairwise messages, 1.5x the buffer, at beta / 2); SGC allgatherv of its 46 kB payload P:
+    # Bruck (2 rounds, 3 P, one-way), 3 payloads decoded; each + half a cycle + the 2-message
+    # negotiation allreduce (no size exchange)
     dense = 4 * (d_conv + d_fc)
-    want_fp32 = compute + 6 * alpha + 1.5 * dense / beta + (cyc / 2 + 2 * alpha)
+    want_fp32 = compute + 4 * alpha + 1.5 * dense / (beta / 2) + (cyc / 2 + 2 * alpha)
     P = sgc.payload_bytes(SHAPES)
-    want_sgc = compute + (4e-3 + 3e-3) + 3 * alpha + 3 * P / (beta / 2) + (cyc / 2 + 4 * alpha)
+    assert 16384 <= P < 262144
+    want_sgc = compute + (4e-3 + 3e-3) + 2 * alpha + 3 * P / beta + (cyc / 2 + 2 * alpha)
     assert rows[0]["step_s"] == pytest.approx(want_fp32, rel=1e-12)
     assert rows[1]["step_s"] == pytest.approx(want_sgc, rel=1e-12)
     # the Hourglass inputs of the same setting: the update (compute - b (t_conv + t_fc)) split by parameters
@@ -337,8 +347,11 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
         m = -(-C // F)
         st = [b * t_conv / M, m * b * 100.0 / beta / M, m * b * t_fc / M, m * b * 96.0 / beta / M]
         Pc = inp.conv_payload
-        e_c = 1e-3 + (C - 1) * 5e-4 + (C - 1) * alpha + (C - 1) * Pc / (beta / 2) + cyc / 2 + 2 * math.ceil(
-            math.log2(C)) * alpha
+        # CONV allgatherv of Pc = 23 B: 3 ranks: gatherv + bcast (2 + 2 messages, 2 Pc + 2 * 3 Pc,
+        # one-way), negotiation by recursive doubling with a fold (3 messages); 2 ranks: one swap each
+        assert Pc == 23
+        wire_c, neg_c = {3: (4 * alpha + 8 * Pc / beta, 3), 2: (alpha + Pc / (beta / 2), 1)}[C]
+        e_c = 1e-3 + (C - 1) * 5e-4 + wire_c + cyc / 2 + neg_c * alpha
         e_f = 0.0 if F == 1 else (2 * alpha + 4 * d_fc / (beta / 2) + cyc / 2 + alpha)   # ring of 2: pairwise
         want_h[F] = sum(st) + (M - 1) * max(st) + max(inp.t_update_conv + e_c, inp.t_update_fc + e_f) + 2 * M * alpha
         rows.append(plan_mod.hourglass_row(at(F), F, "sgc"))
@@ -356,3 +369,53 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
                                             "bidir_factor": 0.5, "cycle_s": cyc, "compute_s": compute},
                                  "hourglass": {"reason": "fixed inputs"}, "hourglass_inputs": None, "rows": ranked})
     assert text.splitlines()[3].split()[1] == ranked[0]["method"]
+
+
+# ------------------------------------------------------------------------------------------
+# Open MPI 4.1's algorithm choice (hgsgc.costs.ompi_*): the cases traced on this machine's Open
+# MPI 4.1.4 (strace of every rank's TCP sends, `--mca btl tcp,self`, docs/benchmarks/perfmodel.md:
+# per call, rank 0 sent the listed message sizes), and every algorithm's cost formula by hand.
+@pytest.mark.parametrize("coll,n,nbytes,alg,sizes", [
+    ("allgatherv", 4, 20000, "bruck", [20000, 40000]),
+    ("allgatherv", 4, 6000, "ring", [6000, 6000, 6000]),
+    ("allgatherv", 4, 300000, "neighbor", [300000, 600000]),
+    ("allgatherv", 8, 20000, "bruck", [20000, 40000, 80000]),
+    ("allgatherv", 2, 30000, "two_proc", [30000]),
+    ("allreduce", 4, 1000000, "rabenseifner", [500000, 250000, 250000, 500000]),
+    ("allreduce", 2, 1000000, "rabenseifner", [500000, 500000]),
+    ("allreduce", 4, 4000, "recursive_doubling", [4000, 4000]),
+    ("allreduce", 8, 400000, "rabenseifner", [200000, 100000, 50000, 50000, 100000, 200000]),
+])
+def test_ompi_choice_matches_the_traced_sends(coll, n, nbytes, alg, sizes):
+    c = costs.ompi_collective_cost(coll, n, nbytes)
+    assert c["algorithm"] == alg
+    assert c["messages"] == len(sizes)
+    assert c["bytes"] == pytest.approx(sum(sizes))
+
+
+def test_ompi_cost_formulas_by_hand():
+    f = costs.ompi_collective_cost
+    assert f("allreduce", 1, 1e6) == {"algorithm": "none", "messages": 0, "bytes": 0.0, "pairwise": False}
+    # Rabenseifner, 6 ranks (p = 4, one fold): 2*2 + 2 messages, 1.5 B + B
+    assert f("allreduce", 6, 1e6) == {"algorithm": "rabenseifner", "messages": 6, "bytes": 2.5e6, "pairwise": True}
+    # recursive doubling, 6 ranks, 1 kB: log2 4 + 2 messages, (2 + 1) B
+    assert f("allreduce", 6, 1000) == {"algorithm": "recursive_doubling", "messages": 4, "bytes": 3000.0,
+                                       "pairwise": True}
+    # ring for 2-3 ranks at 4-8 kB and 16-64 kB: 2 (n-1) messages, 2 (n-1)/n B
+    assert f("allreduce", 3, 6000) == {"algorithm": "ring", "messages": 4, "bytes": pytest.approx(8000.0),
+                                        "pairwise": False}
+    assert costs.ompi_allreduce_algorithm(3, 100000) == "segmented_ring"
+    # nonoverlapping (reduce + bcast), 200 ranks, 1 kB: 2 ceil(log2 200) = 16 messages of B
+    assert f("allreduce", 200, 1000) == {"algorithm": "nonoverlapping", "messages": 16, "bytes": 16000.0,
+                                         "pairwise": False}
+    # allgatherv: default (gatherv + bcast) 4 ranks, 100 B: 3 + 2 messages, 3 P + 2 * 4 P
+    assert f("allgatherv", 4, 100) == {"algorithm": "default", "messages": 5, "bytes": 1100.0, "pairwise": False}
+    # neighbour exchange, 6 ranks, 1 kB: 3 steps, 5 P; 5 ranks: odd -> ring, 4 steps
+    assert f("allgatherv", 6, 1000) == {"algorithm": "neighbor", "messages": 3, "bytes": 5000.0, "pairwise": True}
+    assert f("allgatherv", 5, 1000) == {"algorithm": "ring", "messages": 4, "bytes": 4000.0, "pairwise": False}
+    # Bruck at 1,024 ranks below 4 kB: ceil(log2 1024) = 10 rounds; from 4 kB neighbour exchange
+    assert f("allgatherv", 1024, 1000) == {"algorithm": "bruck", "messages": 10, "bytes": 1023000.0,
+                                           "pairwise": False}
+    assert f("allgatherv", 1024, 5000)["messages"] == 512
+    with pytest.raises(ValueError, match="unknown collective"):
+        f("alltoall", 4, 1)
