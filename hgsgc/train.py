@@ -229,7 +229,13 @@ def run_data_parallel(cfg, log=print) -> dict:
                 **byte_figures(diff, steps_per_epoch, size, grad_bytes),
             }
             if getattr(opt, "hgsgc_skipped_steps", None) is not None:
-                rec["skipped_nonfinite_steps"] = int(opt.hgsgc_skipped_steps)
+                # every rank's count (one small allreduce per epoch, on every rank alike): with
+                # delay 1 they agree (the job's count); with delay > 1 each rank skips its own
+                per_rank = np.zeros(size)
+                per_rank[rank] = int(opt.hgsgc_skipped_steps)
+                per_rank = [int(x) for x in allreduce_sum(per_rank)]
+                rec["skipped_nonfinite_steps"] = max(per_rank)
+                rec["skipped_nonfinite_steps_per_rank"] = per_rank
             history.append(rec)
             loop["losses"], loop["before"] = [], None
             rlog.epoch(rec, total_steps)

@@ -63,6 +63,8 @@ def test_summary_bytes_equal_formula(run_dir):
 def test_metrics_and_saved_model(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["epoch"] == 1
+    rec = json.loads(lines[0])  # faults.nonfinite=skip by default: every rank's count, gathered
+    assert rec["skipped_nonfinite_steps_per_rank"] == [0, 0] and rec["skipped_nonfinite_steps"] == 0
     s = json.loads((run_dir / "summary.json").read_text())
     import tensorflow as tf
 
