@@ -118,3 +118,17 @@ def test_layout_auto_runs_the_configured_task(result):
     assert (c["layout"], c["fc_workers"]) == (best["layout"], best["fc_workers"])
     assert s["model"] == "vgg16"
     assert result["ranks"][0]["layout_auto_run"]["choice"] == c
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,mode", [(2, "atexit"), (3, "close"), (4, "atexit")])
+def test_a_rank_that_ends_early_does_not_end_the_others_process_sets(np_, mode):
+    """The FC rank ends (Layout.close, or the exit hook) before the CONV ranks run 50 allreduces
+    on their process set: every sum is right (before the fix: "Process set provided does not
+    exist", as Horovod's shutdown on one rank stops every rank's process sets)."""
+    from conftest import mpi_result
+
+    res = mpi_result(np_, ["tests/mpi/check_hourglass_exit.py", mode], timeout=300)
+    assert res["mode"] == mode and len(res["conv"]) == np_ - 1
+    for r in res["conv"]:
+        assert r["error"] is None and r["count"] == 50 and r["ok"], r

@@ -15,11 +15,27 @@ initialises Horovod with one process set built from the rank's role communicator
 (``hvd.init(comm, process_sets=[hvd.ProcessSet(role_comm)])``, Horovod's "static process sets
 from MPI communicators"). If Horovod is already initialised, it is shut down and initialised
 again with the process sets (process sets built before that become invalid).
+
+Ending: Horovod's shutdown is global. When ONE process shuts Horovod down (``hvd.shutdown()``,
+which Horovod also registers with ``atexit``, so a process that simply ends does it), the
+background threads of ALL processes stop and free their process sets, and any collective another
+rank posts after that fails with "Process set provided does not exist, or has not been
+registered" (or "Horovod has been shut down"). The roles do different work, so a rank can end
+while the others still exchange (an FC rank with nothing left to do while the CONV ranks flush
+their SGC sync). :meth:`Layout.close` therefore waits until every rank got there (a barrier
+with a deadline) before shutting Horovod down, and a process that ends without calling it runs
+it at exit (before Horovod's own exit hook), except after an uncaught exception, where waiting
+for the others would only delay the error.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Union
+
+#: Default deadline (seconds) of :meth:`Layout.close`'s wait for the other ranks.
+EXIT_TIMEOUT_S = 300.0
+_HOROVOD_GENERATION = [0]  # bumped by every Layout that (re-)initialises Horovod
 
 
 class LayoutError(ValueError):
@@ -208,6 +224,8 @@ class Layout:
         return int(report["fc_workers"])
 
     def _init_horovod(self):
+        import atexit
+
         import horovod.tensorflow as hvd
 
         if hvd.is_initialized():
@@ -217,6 +235,50 @@ class Layout:
         if sorted(ps.ranks) != sorted(self.role_ranks):  # pragma: no cover - Horovod contract
             raise RuntimeError(f"Horovod process set {ps.ranks} != role ranks {self.role_ranks}")
         self.process_set = ps
+        _HOROVOD_GENERATION[0] += 1
+        self._generation = _HOROVOD_GENERATION[0]
+        self._closed = False
+        # registered after hvd.init, so it runs BEFORE Horovod's own atexit shutdown (LIFO)
+        atexit.register(self._close_at_exit)
+
+    def close(self, timeout_s: float = EXIT_TIMEOUT_S) -> bool:
+        """Wait until every rank of the world called ``close``, then shut Horovod down.
+
+        Collective over the layout's world (an ``Ibarrier`` on :attr:`p2p`, waited for with
+        :func:`hgsgc.faults.wait_for_peers`). Call it on every rank when the layout's work is
+        done; a process that ends without calling it calls it at exit (see the module
+        docstring). Idempotent; does nothing for a layout built with ``init_horovod=False``.
+
+        Args:
+            timeout_s: seconds to wait for the other ranks (``<= 0``: no deadline). On the
+                deadline a warning names the setting and Horovod is shut down anyway.
+
+        Returns:
+            True if every rank arrived before Horovod was shut down, False after the deadline
+            (or when there was nothing to close).
+        """
+        if getattr(self, "_closed", True):
+            return False
+        self._closed = True
+        from hgsgc.faults import StallError, wait_for_peers
+
+        arrived = True
+        try:
+            wait_for_peers([self.p2p.Ibarrier()], None, "every rank to finish with the Hourglass "
+                           "layout before Horovod shuts down (Layout.close)", float(timeout_s))
+        except StallError as exc:
+            arrived = False
+            print(f"hgsgc: rank {self.rank}: {exc}; shutting Horovod down anyway", file=sys.stderr, flush=True)
+        import horovod.tensorflow as hvd
+
+        if hvd.is_initialized() and self._generation == _HOROVOD_GENERATION[0]:
+            hvd.shutdown()  # (a later Layout's hvd.init replaced this one's Horovod: leave it)
+        return arrived
+
+    def _close_at_exit(self):
+        if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends this rank
+            return
+        self.close()
 
     def describe(self) -> str:
         groups = ", ".join(f"FC {f} <- CONV {self.plan.convs_of(f)}" for f in self.plan.fc_ranks)
