@@ -411,26 +411,107 @@ def traffic(compression, shapes: Sequence[Sequence[int]]) -> Traffic:
     return Traffic(tuple((str(a), int(b)) for a, b in colls), int(comp.delay))
 
 
+def _period_values(compute: Sequence[float], compression: Optional[Sequence[float]], h: int):
+    """All equally likely values of one rank's exchange period (``h`` compute draws + one
+    compression draw, with replacement) as a flat numpy array, or None when there are more than
+    10^6 of them."""
+    import numpy as np
+
+    c = np.asarray(compute, dtype=np.float64)
+    size = len(c) ** h * (len(compression) if compression is not None and len(compression) else 1)
+    if size > 10 ** 6:
+        return None
+    v = c
+    for _ in range(h - 1):
+        v = np.add.outer(v, c).ravel()
+    if compression is not None and len(compression):
+        v = np.add.outer(v, np.asarray(compression, dtype=np.float64)).ravel()
+    return v
+
+
+def expected_max_period(compute_samples: Sequence[Sequence[float]],
+                        compression_samples: Optional[Sequence[Sequence[float]]] = None,
+                        h: int = 1, draws: int = 200_000, seed: int = 0) -> float:
+    """``E[max_r T_r]``: the expected longest exchange period over the ranks, where rank ``r``'s
+    period ``T_r`` is the sum of ``h`` independent draws from its measured compute times
+    ``compute_samples[r]`` plus one draw from its compression times ``compression_samples[r]``
+    (seconds; the empirical distributions, draws with replacement, ranks independent).
+
+    A synchronous exchange starts when the last rank arrives, so a period costs the maximum, not
+    the mean, of the ranks' periods (the straggler effect; Dutta et al., AISTATS 2018, "Slow and
+    stale gradients can win the race"). Exact (the product of the ranks' empirical CDFs over all
+    ``n^h m`` sums) when each rank has at most 10^6 such sums, else a Monte Carlo estimate with
+    ``draws`` draws from ``numpy.random.default_rng(seed)`` (deterministic).
+
+    Raises:
+        ValueError: no ranks, a rank without samples, ``h < 1``, or compression samples for a
+            different number of ranks.
+    """
+    import numpy as np
+
+    if not compute_samples or any(len(x) == 0 for x in compute_samples) or int(h) < 1:
+        raise ValueError("expected_max_period needs >= 1 compute sample per rank and h >= 1")
+    if compression_samples is not None and len(compression_samples) != len(compute_samples):
+        raise ValueError(f"expected_max_period: compression samples for {len(compression_samples)} ranks, "
+                         f"compute samples for {len(compute_samples)}: give both per rank")
+    h = int(h)
+    comp = compression_samples or [None] * len(compute_samples)
+    vals = [_period_values(c, z, h) for c, z in zip(compute_samples, comp)]
+    if all(v is not None for v in vals):
+        vals = [np.sort(v) for v in vals]
+        grid = np.unique(np.concatenate(vals))
+        cdf = np.ones_like(grid)
+        for v in vals:
+            cdf *= np.searchsorted(v, grid, side="right") / len(v)
+        prob = np.diff(np.concatenate(([0.0], cdf)))
+        return float(np.sum(grid * prob))
+    rng = np.random.default_rng(seed)
+    best = np.full(draws, -np.inf)
+    for c, z in zip(compute_samples, comp):
+        c = np.asarray(c, dtype=np.float64)
+        t = c[rng.integers(0, len(c), size=(draws, h))].sum(axis=1)
+        if z is not None and len(z):
+            z = np.asarray(z, dtype=np.float64)
+            t = t + z[rng.integers(0, len(z), size=draws)]
+        best = np.maximum(best, t)
+    return float(best.mean())
+
+
+def sync_wait_s(compute_samples: Sequence[Sequence[float]],
+                compression_samples: Optional[Sequence[Sequence[float]]] = None, h: int = 1, **kw) -> float:
+    """Seconds per exchange that ranks wait for the slowest: :func:`expected_max_period` minus the
+    ranks' mean period ``h mean(compute) + mean(compression)`` (means over all ranks' samples);
+    the ``wait_s`` input of :func:`predict_step`. 0 for identical, constant ranks."""
+    import numpy as np
+
+    mean_c = float(np.mean([np.mean(c) for c in compute_samples]))
+    mean_z = float(np.mean([np.mean(z) for z in compression_samples])) if compression_samples else 0.0
+    return max(0.0, expected_max_period(compute_samples, compression_samples, h, **kw) - (h * mean_c + mean_z))
+
+
 def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, link: Link,
-                 hosts: Optional[Sequence[int]] = None, cycle_s: float = EMULATOR["cycle_s"]) -> dict:
+                 hosts: Optional[Sequence[int]] = None, cycle_s: float = EMULATOR["cycle_s"],
+                 wait_s: float = 0.0) -> dict:
     """Predicted mean seconds per data-parallel step on ``k`` ranks.
 
-    ``step = compute + (compression + sum of the collectives + coordination) / delay``, with
-    compute (forward + backward + update) and compression (selection, encoding, decoding and
-    summing the ``k`` payloads) measured, each collective of ``tr`` by :func:`exchange_s`,
-    Horovod's coordination by :func:`coordination_s`. No overlap of communication with compute
-    (hgsgc exchanges one fused payload after the backward pass).
+    ``step = compute + (compression + wait + sum of the collectives + coordination) / delay``,
+    with compute (forward + backward + update) and compression (selection, encoding, decoding and
+    summing the ``k`` payloads) measured, ``wait`` the time per exchange the ranks wait for the
+    slowest one (:func:`sync_wait_s` from the measured per-rank compute and compression times; 0
+    when the ranks are identical and constant), each collective of ``tr`` by
+    :func:`exchange_s`, Horovod's coordination by :func:`coordination_s`. No overlap of
+    communication with compute (hgsgc exchanges one fused payload after the backward pass).
 
     Returns:
-        ``{"compute_s", "compression_s", "wire_s", "coordination_s", "step_s"}``, each already
-        divided by the delay where it happens once per exchange.
+        ``{"compute_s", "compression_s", "wait_s", "wire_s", "coordination_s", "step_s"}``, each
+        already divided by the delay where it happens once per exchange.
     """
     h = max(1, int(tr.delay))
     wire = sum(exchange_s(k, b, alg, link, hosts) for alg, b in tr.collectives)
     n_ag = sum(1 for alg, _ in tr.collectives if alg == "allgather")
     coord = coordination_s(k, link, len(tr.collectives), cycle_s, n_ag)
     out = {"compute_s": float(compute_s), "compression_s": float(compression_s) / h,
-           "wire_s": wire / h, "coordination_s": coord / h}
+           "wait_s": float(wait_s) / h, "wire_s": wire / h, "coordination_s": coord / h}
     out["step_s"] = sum(out.values())
     return out
 

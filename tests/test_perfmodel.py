@@ -419,3 +419,39 @@ def test_ompi_cost_formulas_by_hand():
     assert f("allgatherv", 1024, 5000)["messages"] == 512
     with pytest.raises(ValueError, match="unknown collective"):
         f("alltoall", 4, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# Waiting for the slowest rank: E[max over ranks of the exchange period], from measured samples.
+def test_expected_max_period_exact_by_hand():
+    f = pm.expected_max_period
+    assert f([[1.0, 3.0], [2.0]]) == pytest.approx(2.5)            # max in {2, 3}, 1/2 each
+    assert f([[1.0, 3.0], [1.0, 3.0]]) == pytest.approx(0.25 * 1 + 0.75 * 3)
+    assert f([[1.0, 3.0]], h=2) == pytest.approx((2 + 4 + 4 + 6) / 4)  # one rank: the mean of the sums
+    # periods {11, 13} and {12}: E[max] = (12 + 13) / 2
+    assert f([[1.0, 3.0], [2.0]], [[10.0], [10.0]]) == pytest.approx(12.5)
+    # h = 2 on two ranks: rank 0 sums {0, 1, 1, 2}, rank 1 {2, 2}: max = 2 always
+    assert f([[0.0, 1.0], [1.0]], h=2) == pytest.approx(2.0)
+    assert pm.sync_wait_s([[1.0, 3.0], [2.0]]) == pytest.approx(0.5)
+    assert pm.sync_wait_s([[0.02] * 5, [0.02] * 7], [[0.01], [0.01]], h=4) == pytest.approx(0.0, abs=1e-15)
+    p = pm.predict_step(0.02, 0.004, pm.Traffic((("allgather", 1000),), delay=4), 2, pm.Link(1e-4, 1e6),
+                        cycle_s=0.0, wait_s=0.008)
+    assert p["wait_s"] == pytest.approx(0.002)
+    assert p["step_s"] == pytest.approx(0.02 + (0.004 + 0.008 + 1e-4 + 1000 / 1e6 + 1e-4) / 4)
+    for bad in ([], [[]], ):
+        with pytest.raises(ValueError, match="compute sample"):
+            f(bad)
+    with pytest.raises(ValueError, match="per rank"):
+        f([[1.0], [2.0]], [[1.0]])
+
+
+def test_expected_max_period_monte_carlo_matches_the_exact_value():
+    # 1,100 samples, h = 2: 1.21 M sums per rank -> the deterministic Monte Carlo path. Each rank's
+    # sum is 0, 1, 2 with probabilities q^2, 2 q (1-q), (1-q)^2, q = 10/11; E[max of 2 ranks] by hand
+    xs = [0.0] * 1000 + [1.0] * 100
+    q = 10 / 11
+    cdf = {0: q * q, 1: q * q + 2 * q * (1 - q), 2: 1.0}
+    want = sum(v * (cdf[v] ** 2 - (cdf[v - 1] ** 2 if v else 0.0)) for v in (0, 1, 2))
+    got = pm.expected_max_period([xs, xs], h=2)
+    assert got == pytest.approx(want, rel=0.02)
+    assert got == pm.expected_max_period([xs, xs], h=2)             # same seed: same value

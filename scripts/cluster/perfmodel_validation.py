@@ -41,9 +41,91 @@ def calibration_from(path, bandwidth, put=True):
             "cycle_s": pm.EMULATOR["cycle_s"], "source": f"{path} ({cell['bandwidth']})"}
 
 
+def bench_rows(path, calibration):
+    """Predicted vs measured step time of every ok cell of an ``hgsgc bench`` result JSON.
+
+    Inputs, all measured in separate runs of the same bench: compute + compression = the method's
+    compute-only step measured with ``hosts`` processes at once (``compute_only_shared``: the CPU
+    share each emulated host had on this machine; alone when not measured, and the row says so);
+    bytes and messages from the method's setting (:func:`hgsgc.perfmodel.traffic`), for a sparse
+    method with a density warm-up (DGC) averaged over the cell's timed steps (density per step
+    from ``hgsgc.loop.density_schedule``); the link from the calibration (``put`` removed when the
+    cell's mpirun arguments remove it); Horovod's cycle as hgsgc sets it (5 ms). No per-step
+    samples: the wait for the slowest rank is 0 here.
+    """
+    import dataclasses
+
+    from hgsgc import perfmodel as pm
+    from hgsgc.config import compression_from_config, load_config
+    from hgsgc.loop import density_schedule
+    from hgsgc.plan import build_plan_model
+
+    with open(path) as f:
+        d = json.load(f)
+    spec = d["spec"]
+    methods = {m["name"]: m for m in spec["methods"]}
+    rows, shapes_of = [], {}
+    for cell in d["cells"]:
+        if cell.get("status") != "ok":
+            continue
+        m = methods[cell["method"]]
+        mpi_args = [*spec.get("mpi_args", []), *m.get("mpi_args", [])]
+        tuned = any("btl_tcp_flags" in a for a in mpi_args) and not any(
+            "put" in a for a in mpi_args if "," in a)
+        cfg = load_config(m["config"], [*spec["overrides"], *m["overrides"], *m.get("cell_overrides", [])])
+        key = (cfg.model.name, cfg.model.width, cfg.data.format)
+        if key not in shapes_of:
+            model, _ = build_plan_model(cfg)
+            shapes_of[key] = [tuple(int(x) for x in v.shape) for v in model.trainable_variables]
+        shapes = shapes_of[key]
+        k, bw = cell["hosts"], cell["bandwidth"]
+        cal = calibration_from(calibration, bw, put=not tuned)
+        cal["cycle_s"] = pm.EMULATOR["cycle_s"]
+        link = pm.link_for(bw, calibration=cal)
+        shared = d.get("compute_only_shared", {}).get(f"{cell['method']}@{k}", {})
+        alone = d.get("compute_only", {}).get(cell["method"], {})
+        basis = "shared" if shared.get("status") == "ok" else "alone" if alone.get("status") == "ok" else None
+        if basis is None:
+            print(f"{d['name']}: {cell['method']} @ {k} hosts {bw}: no compute-only measurement, no prediction",
+                  file=sys.stderr)
+            continue
+        compute = (shared if basis == "shared" else alone)["mean_step_time_s"]
+        dens = density_schedule(cfg.compression)
+        timed = range(1, int(cell["steps"]))  # the first step (graph tracing) is not in the mean
+        if dens is None:
+            p = pm.predict_step(compute, 0.0, pm.traffic(compression_from_config(cfg.compression), shapes), k, link,
+                                cycle_s=cal["cycle_s"])
+        else:  # per step: the exchange at that step's density, averaged over the timed steps
+            h = max(1, int(cfg.compression.delay))
+            acc = {"wire_s": 0.0, "coordination_s": 0.0}
+            for st in timed:
+                if (st + 1) % h:
+                    continue
+                c = dataclasses.replace(cfg.compression, density=dens(st), warmup_steps=0, delay=1)
+                q = pm.predict_step(0.0, 0.0, pm.traffic(compression_from_config(c), shapes), k, link,
+                                    cycle_s=cal["cycle_s"])
+                acc["wire_s"] += q["wire_s"] / len(timed)
+                acc["coordination_s"] += q["coordination_s"] / len(timed)
+            p = {"compute_s": compute, "compression_s": 0.0, "wait_s": 0.0, **acc}
+            p["step_s"] = sum(p.values())
+        meas = cell["mean_step_time_s"]
+        rows.append({"run": f"{d['name']}:{cell['method']}@{k}h/{bw}", "kind": f"bench cell ({k} hosts, unpinned)",
+                     "method": cell["method"], "delay": int(cfg.compression.delay), "bandwidth": bw, "hosts": k,
+                     "samples": False, "tuned": tuned, "compute_basis": basis,
+                     "settings": ("put removed" if tuned else "Open MPI defaults (put)") + f", compute {basis}",
+                     "load": [cell.get("load_before", [0])[0] if isinstance(cell.get("load_before"), list)
+                              else cell.get("load_before", 0),
+                              cell.get("load_after", [0])[0] if isinstance(cell.get("load_after"), list)
+                              else cell.get("load_after", 0)],
+                     "predicted": p, "measured_step_s": meas, "error": p["step_s"] / meas - 1,
+                     "calibration": cal["source"], "error_dedicated": None})
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="+")
+    ap.add_argument("results", nargs="*", help="step_profile.py result JSONs")
+    ap.add_argument("--bench", nargs="*", default=[], help="hgsgc bench result JSONs (every ok cell)")
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--bandwidth", default="100mbit", help="link rate of the runs (when not recorded)")
     ap.add_argument("--md", default=None)
@@ -76,13 +158,26 @@ def main(argv=None):
         else:
             comp = hgsgc.Compression.none
         bw = r.get("bandwidth", args.bandwidth)
-        cal = calibration_from(args.calibration, bw)
+        flags = r["env"].get("OMPI_MCA_btl_tcp_flags")
+        tuned = flags is not None and "put" not in flags  # Open MPI's TCP put protocol removed
+        cal = calibration_from(args.calibration, bw, put=not tuned)
         cal["cycle_s"] = float(r["env"].get("HOROVOD_CYCLE_TIME", 1.0)) / 1e3  # Horovod 0.28 default: 1 ms
         link = pm.link_for(bw, calibration=cal)
-        compute = s["compute_no_hvd"]["mean_ms_slowest_rank"] / 1e3
-        compression = s["compression"]["mean_ms_slowest_rank"] / 1e3 if "compression" in s else 0.0
+        ranks_ph = [a["phases"] for a in (r.get("ranks") or [])]
+        samples = ranks_ph and all("times_ms" in ph.get("compute_no_hvd", {}) for ph in ranks_ph)
+        if samples:  # per-rank, per-repetition times (step_profile.py keeps them since this session)
+            cs = [[t / 1e3 for t in ph["compute_no_hvd"]["times_ms"]] for ph in ranks_ph]
+            zs = ([[t / 1e3 for t in ph["compression"]["times_ms"]] for ph in ranks_ph]
+                  if "compression" in s else None)
+            compute = sum(sum(c) / len(c) for c in cs) / len(cs)
+            compression = sum(sum(z) / len(z) for z in zs) / len(zs) if zs else 0.0
+            wait = pm.sync_wait_s(cs, zs, h=max(1, int(r["delay"])))
+        else:  # older files: means only (slowest rank), no wait term
+            compute = s["compute_no_hvd"]["mean_ms_slowest_rank"] / 1e3
+            compression = s["compression"]["mean_ms_slowest_rank"] / 1e3 if "compression" in s else 0.0
+            wait = 0.0
         p = pm.predict_step(compute, compression, pm.traffic(comp, shapes), r["world_size"], link,
-                            cycle_s=cal["cycle_s"])
+                            cycle_s=cal["cycle_s"], wait_s=wait)
         meas = s["step"]["mean_ms_slowest_rank"] / 1e3
         # dedicated-core estimate: CPU-time inputs; measured step minus its TF threads' run-queue
         # wait (the time they were runnable but another process had the core), per rank, slowest
@@ -93,8 +188,9 @@ def main(argv=None):
         waits = [a["phases"]["step"]["threads"]["tf_other"]["runqueue_wait_ms_per_rep"] for a in ranks]
         walls = [a["phases"]["step"]["mean_ms"] for a in ranks]
         meas_ded = max(w - q for w, q in zip(walls, waits)) / 1e3 if ranks else None
-        rows.append({"run": os.path.basename(path)[:-5], "method": m, "delay": r["delay"], "bandwidth": bw,
-                     "hosts": r["world_size"],
+        rows.append({"run": os.path.basename(path)[:-5], "kind": "step_profile (2 pinned hosts)",
+                     "method": m, "delay": r["delay"], "bandwidth": bw,
+                     "hosts": r["world_size"], "samples": bool(samples), "tuned": tuned,
                      "settings": ", ".join(f"{k.replace('OMPI_MCA_mpi_', '').replace('HOROVOD_', '')}={v}"
                                            for k, v in sorted(r["env"].items())
                                            if k in ("OMPI_MCA_mpi_yield_when_idle", "HOROVOD_CYCLE_TIME"))
@@ -103,18 +199,24 @@ def main(argv=None):
                      "error": p["step_s"] / meas - 1, "calibration": cal["source"],
                      "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
                      "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
-    lines = ["| run | method | H | link | settings | loadavg | compute ms | compression ms/step | wire ms/step "
-             "| coordination ms/step | predicted ms | measured ms | error | dedicated-core estimate: predicted "
-             "(CPU inputs) / measured - run-queue wait ms | error |",
+    for path in args.bench:
+        rows += bench_rows(path, args.calibration)
+    lines = ["| cell | how it ran | method | H | link | settings | loadavg | compute ms | compression ms/step "
+             "| wait for slowest ms/step | wire ms/step | coordination ms/step | predicted ms | measured ms | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         p = x["predicted"]
-        lines.append(f"| `{x['run']}` | {x['method']} | {x['delay']} | {x['bandwidth']} | {x['settings']} | "
-                     f"{x['load'][0]:.0f}-{x['load'][1]:.0f} | {p['compute_s'] * 1e3:.1f} | "
-                     f"{p['compression_s'] * 1e3:.1f} | {p['wire_s'] * 1e3:.1f} | {p['coordination_s'] * 1e3:.1f} | "
-                     f"{p['step_s'] * 1e3:.1f} | {x['measured_step_s'] * 1e3:.1f} | {100 * x['error']:+.0f} % | "
-                     + (f"{x['predicted_cpu_inputs']['step_s'] * 1e3:.1f} / {x['measured_minus_runqueue_s'] * 1e3:.1f} | "
-                        f"{100 * x['error_dedicated']:+.0f} % |" if x["error_dedicated"] is not None else "- | - |"))
+        lines.append(f"| `{x['run']}` | {x['kind']} | {x['method']} | {x['delay']} | {x['bandwidth']} | "
+                     f"{x['settings']} | {x['load'][0]:.0f}-{x['load'][1]:.0f} | {p['compute_s'] * 1e3:.1f} | "
+                     f"{p['compression_s'] * 1e3:.1f} | {p.get('wait_s', 0.0) * 1e3:.1f} | {p['wire_s'] * 1e3:.1f} | "
+                     f"{p['coordination_s'] * 1e3:.1f} | {p['step_s'] * 1e3:.1f} | {x['measured_step_s'] * 1e3:.1f} | "
+                     f"{100 * x['error']:+.0f} % |")
+    if rows:
+        errs = sorted(abs(x["error"]) for x in rows)
+        within = sum(e <= 0.15 for e in errs)
+        lines.append("")
+        lines.append(f"{len(rows)} cells: |error| {100 * errs[0]:.0f}-{100 * errs[-1]:.0f} %, median "
+                     f"{100 * errs[len(errs) // 2]:.0f} %; within 15 %: {within} of {len(rows)}.")
     text = "\n".join(lines)
     print(text)
     if args.md:
