@@ -1,17 +1,29 @@
 #!/usr/bin/env python3
-"""Predicted vs measured step time: hgsgc/perfmodel.py against step_profile.py runs.
+"""Predicted vs measured step time: hgsgc/perfmodel.py against every emulated cell given.
 
-For every ``step_profile.py`` result JSON given, the prediction is
-``perfmodel.predict_step(compute, compression, traffic(method), 2, link)`` with the inputs
-measured *in the same run* (so they saw the same machine load): ``compute`` = the slowest rank's
-``compute_no_hvd`` wall time, ``compression`` = its ``compression`` phase wall time (0 for the
-dense methods), ``link`` = ``perfmodel.link_for(bandwidth, calibration)`` with the emulator's
-calibration (``--calibration`` JSON from calibrate_link.py, else ``perfmodel.EMULATOR``). The
-measured figure is the slowest rank's mean ``step`` wall time. Writes a Markdown table (stdout,
-and ``--md``) and the rows as JSON (``--json``)::
+Two kinds of cells:
 
-    .venv/bin/python scripts/cluster/perfmodel_validation.py docs/benchmarks/step_profile/*.json \\
-        --calibration docs/benchmarks/link_calibration.json --md docs/benchmarks/perfmodel_validation.md
+* ``step_profile.py`` results (2 pinned hosts): the prediction is
+  ``perfmodel.predict_step(compute, compression, traffic(method), 2, link, wait_s=wait)`` with
+  inputs measured *in the same run* (same machine load): ``compute`` = the ranks' mean
+  ``compute_no_hvd`` wall time, ``compression`` = their mean ``compression`` phase (0 for dense),
+  ``wait`` = ``perfmodel.sync_wait_s`` of the per-rank per-repetition times (files from before
+  this session have means only: the slowest rank's mean, no wait term); measured = the slowest
+  rank's mean ``step``.
+* ``hgsgc bench`` results (``--bench``, every ok cell; see :func:`bench_rows`).
+
+``link`` = ``perfmodel.link_for(bandwidth, calibration)`` from a calibrate_link.py JSON, with
+Open MPI's ``put`` protocol where the cell ran with it (``FILE=CAL.json`` gives one file its own
+calibration). Writes a Markdown table (stdout, ``--md``) and the rows as JSON (``--json``). The
+committed table (docs/benchmarks/perfmodel.md)::
+
+    .venv/bin/python scripts/cluster/perfmodel_validation.py \
+        $(for f in docs/benchmarks/step_profile/s3_*.json; do echo $f=docs/benchmarks/link_calibration_load15.json; done) \
+        $(ls docs/benchmarks/step_profile/*.json | grep -v -e s3_ -e timeline) \
+        --calibration docs/benchmarks/link_calibration.json \
+        --bench docs/benchmarks/vgg16_4h_ttt.json=docs/benchmarks/link_calibration_load15.json \
+                docs/benchmarks/ptb_4h_ttt.json=docs/benchmarks/link_calibration.json \
+        --json docs/benchmarks/perfmodel_validation.json
 """
 import argparse
 import json
@@ -124,9 +136,11 @@ def bench_rows(path, calibration):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="*", help="step_profile.py result JSONs")
-    ap.add_argument("--bench", nargs="*", default=[], help="hgsgc bench result JSONs (every ok cell)")
-    ap.add_argument("--calibration", default=None)
+    ap.add_argument("results", nargs="*", help="step_profile.py result JSONs (FILE=CAL.json: its own calibration)")
+    ap.add_argument("--bench", nargs="*", default=[], help="hgsgc bench result JSONs (every ok cell); FILE=CAL.json gives that bench its own calibration")
+    ap.add_argument("--calibration", default=None, help="calibrate_link.py JSON for the step_profile results")
+    ap.add_argument("--bench-calibration", default=None,
+                    help="calibrate_link.py JSON for the --bench cells (default: --calibration)")
     ap.add_argument("--bandwidth", default="100mbit", help="link rate of the runs (when not recorded)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
@@ -139,6 +153,7 @@ def main(argv=None):
     shapes_of = {}
     rows = []
     for path in args.results:
+        path, _, own_cal = path.partition("=")  # FILE=CALIBRATION: this run's own calibration
         with open(path) as f:
             r = json.load(f)
         s = r.get("summary", {})
@@ -160,7 +175,7 @@ def main(argv=None):
         bw = r.get("bandwidth", args.bandwidth)
         flags = r["env"].get("OMPI_MCA_btl_tcp_flags")
         tuned = flags is not None and "put" not in flags  # Open MPI's TCP put protocol removed
-        cal = calibration_from(args.calibration, bw, put=not tuned)
+        cal = calibration_from(own_cal or args.calibration, bw, put=not tuned)
         cal["cycle_s"] = float(r["env"].get("HOROVOD_CYCLE_TIME", 1.0)) / 1e3  # Horovod 0.28 default: 1 ms
         link = pm.link_for(bw, calibration=cal)
         ranks_ph = [a["phases"] for a in (r.get("ranks") or [])]
@@ -200,7 +215,8 @@ def main(argv=None):
                      "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
                      "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
     for path in args.bench:
-        rows += bench_rows(path, args.calibration)
+        path, _, cal = path.partition("=")  # FILE=CALIBRATION: this bench's own calibration
+        rows += bench_rows(path, cal or args.bench_calibration or args.calibration)
     lines = ["| cell | how it ran | method | H | link | settings | loadavg | compute ms | compression ms/step "
              "| wait for slowest ms/step | wire ms/step | coordination ms/step | predicted ms | measured ms | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
