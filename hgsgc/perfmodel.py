@@ -356,7 +356,7 @@ def horovod_cycle_s() -> float:
 
 
 def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULATOR["cycle_s"],
-                   allgathers: int = 0) -> float:
+                   allgathers: int = 0, overhead_s: Optional[float] = None) -> float:
     """Horovod's time per exchange besides the data (docs/benchmarks/step_profile.md): each
     collective of an exchange (they depend on each other, so each needs its own background cycle)
     waits on average half a cycle (``cycle_s / 2``; Horovod's background loop does not wake up
@@ -369,9 +369,18 @@ def coordination_s(k: int, link: Link, collectives: int, cycle_s: float = EMULAT
     No size exchange for an allgather: Horovod takes the sizes from the negotiated response, which
     the response cache keeps while a tensor's shape does not change (hgsgc's payloads have a fixed
     length), so ``allgathers`` is accepted for compatibility and adds nothing.
+
+    ``overhead_s``: a MEASURED per-collective Horovod overhead replaces the formula
+    (``coordination = collectives * overhead_s``): one ``hvd.allgather`` minus one ``MPI_Allgather``
+    of the same bytes with known sizes (``step_profile.py``'s ``allgather_hvd`` and
+    ``allgather_mpi`` phases), i.e. queueing, cycle wait and negotiation as they run on the machine
+    (on a loaded machine Horovod's background thread waits for a core at every hop: 48-66 ms per
+    collective at load 15-19 here, docs/benchmarks/perfmodel.md). Negative values count as 0.
     """
     if k <= 1:
         return 0.0
+    if overhead_s is not None:
+        return collectives * max(0.0, float(overhead_s))
     neg = costs.ompi_collective_cost("allreduce", k, NEGOTIATION_BYTES)["messages"]
     return collectives * (cycle_s / 2.0 + neg * link.alpha_s)
 
@@ -491,7 +500,7 @@ def sync_wait_s(compute_samples: Sequence[Sequence[float]],
 
 def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, link: Link,
                  hosts: Optional[Sequence[int]] = None, cycle_s: float = EMULATOR["cycle_s"],
-                 wait_s: float = 0.0) -> dict:
+                 wait_s: float = 0.0, coordination_overhead_s: Optional[float] = None) -> dict:
     """Predicted mean seconds per data-parallel step on ``k`` ranks.
 
     ``step = compute + (compression + wait + sum of the collectives + coordination) / delay``,
@@ -499,8 +508,10 @@ def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, li
     summing the ``k`` payloads) measured, ``wait`` the time per exchange the ranks wait for the
     slowest one (:func:`sync_wait_s` from the measured per-rank compute and compression times; 0
     when the ranks are identical and constant), each collective of ``tr`` by
-    :func:`exchange_s`, Horovod's coordination by :func:`coordination_s`. No overlap of
-    communication with compute (hgsgc exchanges one fused payload after the backward pass).
+    :func:`exchange_s`, Horovod's coordination by :func:`coordination_s` (with
+    ``coordination_overhead_s``: the measured per-collective overhead instead of the formula). No
+    overlap of communication with compute (hgsgc exchanges one fused payload after the backward
+    pass).
 
     Returns:
         ``{"compute_s", "compression_s", "wait_s", "wire_s", "coordination_s", "step_s"}``, each
@@ -509,7 +520,7 @@ def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, li
     h = max(1, int(tr.delay))
     wire = sum(exchange_s(k, b, alg, link, hosts) for alg, b in tr.collectives)
     n_ag = sum(1 for alg, _ in tr.collectives if alg == "allgather")
-    coord = coordination_s(k, link, len(tr.collectives), cycle_s, n_ag)
+    coord = coordination_s(k, link, len(tr.collectives), cycle_s, n_ag, coordination_overhead_s)
     out = {"compute_s": float(compute_s), "compression_s": float(compression_s) / h,
            "wait_s": float(wait_s) / h, "wire_s": wire / h, "coordination_s": coord / h}
     out["step_s"] = sum(out.values())

@@ -455,3 +455,14 @@ def test_expected_max_period_monte_carlo_matches_the_exact_value():
     got = pm.expected_max_period([xs, xs], h=2)
     assert got == pytest.approx(want, rel=0.02)
     assert got == pm.expected_max_period([xs, xs], h=2)             # same seed: same value
+
+
+def test_measured_coordination_overhead_replaces_the_formula():
+    link = pm.Link(8e-3, 1.2e7)
+    assert pm.coordination_s(4, link, 2, 0.005, overhead_s=0.05) == pytest.approx(0.1)
+    assert pm.coordination_s(4, link, 1, 0.005, overhead_s=-0.03) == 0.0   # hvd faster than MPI: 0
+    assert pm.coordination_s(1, link, 1, 0.005, overhead_s=0.05) == 0.0
+    assert pm.coordination_s(4, link, 1, 0.005) == pytest.approx(0.0025 + 2 * 8e-3)
+    tr = pm.Traffic((("ring", 8000), ("ring", 4000)), delay=2)        # two dependent collectives
+    p = pm.predict_step(0.02, 0.0, tr, 4, link, cycle_s=0.005, coordination_overhead_s=0.05)
+    assert p["coordination_s"] == pytest.approx(2 * 0.05 / 2)

@@ -53,7 +53,18 @@ def calibration_from(path, bandwidth, put=True):
             "cycle_s": pm.EMULATOR["cycle_s"], "source": f"{path} ({cell['bandwidth']})"}
 
 
-def bench_rows(path, calibration):
+def hvd_overhead_of(r):
+    """Horovod's measured per-collective overhead of a step_profile.py result (seconds): the
+    ranks' mean ``allgather_hvd`` minus ``allgather_mpi`` (one ``hvd.allgather`` vs one
+    ``MPI_Allgather`` of the same payload with known sizes); None when not measured."""
+    s = r.get("summary", {})
+    if "allgather_hvd" not in s or "allgather_mpi" not in s:
+        return None
+    h, m = s["allgather_hvd"]["mean_ms_per_rank"], s["allgather_mpi"]["mean_ms_per_rank"]
+    return (sum(h) / len(h) - sum(m) / len(m)) / 1e3
+
+
+def bench_rows(path, calibration, overhead_s=None):
     """Predicted vs measured step time of every ok cell of an ``hgsgc bench`` result JSON.
 
     Inputs, all measured in separate runs of the same bench: compute + compression = the method's
@@ -106,7 +117,7 @@ def bench_rows(path, calibration):
         timed = range(1, int(cell["steps"]))  # the first step (graph tracing) is not in the mean
         if dens is None:
             p = pm.predict_step(compute, 0.0, pm.traffic(compression_from_config(cfg.compression), shapes), k, link,
-                                cycle_s=cal["cycle_s"])
+                                cycle_s=cal["cycle_s"], coordination_overhead_s=overhead_s)
         else:  # per step: the exchange at that step's density, averaged over the timed steps
             h = max(1, int(cfg.compression.delay))
             acc = {"wire_s": 0.0, "coordination_s": 0.0}
@@ -115,7 +126,7 @@ def bench_rows(path, calibration):
                     continue
                 c = dataclasses.replace(cfg.compression, density=dens(st), warmup_steps=0, delay=1)
                 q = pm.predict_step(0.0, 0.0, pm.traffic(compression_from_config(c), shapes), k, link,
-                                    cycle_s=cal["cycle_s"])
+                                    cycle_s=cal["cycle_s"], coordination_overhead_s=overhead_s)
                 acc["wire_s"] += q["wire_s"] / len(timed)
                 acc["coordination_s"] += q["coordination_s"] / len(timed)
             p = {"compute_s": compute, "compression_s": 0.0, "wait_s": 0.0, **acc}
@@ -130,7 +141,7 @@ def bench_rows(path, calibration):
                               cell.get("load_after", [0])[0] if isinstance(cell.get("load_after"), list)
                               else cell.get("load_after", 0)],
                      "predicted": p, "measured_step_s": meas, "error": p["step_s"] / meas - 1,
-                     "calibration": cal["source"], "error_dedicated": None})
+                     "calibration": cal["source"], "coordination_overhead_s": overhead_s, "error_dedicated": None})
     return rows
 
 
@@ -142,6 +153,9 @@ def main(argv=None):
     ap.add_argument("--bench-calibration", default=None,
                     help="calibrate_link.py JSON for the --bench cells (default: --calibration)")
     ap.add_argument("--bandwidth", default="100mbit", help="link rate of the runs (when not recorded)")
+    ap.add_argument("--measured-coordination", nargs="*", default=None, metavar="STEP_PROFILE_JSON",
+                    help="charge Horovod's MEASURED per-collective overhead instead of the cycle/negotiation "
+                         "formula: step_profile cells use their own run's, bench cells the median over these files")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -191,8 +205,9 @@ def main(argv=None):
             compute = s["compute_no_hvd"]["mean_ms_slowest_rank"] / 1e3
             compression = s["compression"]["mean_ms_slowest_rank"] / 1e3 if "compression" in s else 0.0
             wait = 0.0
+        over = hvd_overhead_of(r) if args.measured_coordination else None
         p = pm.predict_step(compute, compression, pm.traffic(comp, shapes), r["world_size"], link,
-                            cycle_s=cal["cycle_s"], wait_s=wait)
+                            cycle_s=cal["cycle_s"], wait_s=wait, coordination_overhead_s=over)
         meas = s["step"]["mean_ms_slowest_rank"] / 1e3
         # dedicated-core estimate: CPU-time inputs; measured step minus its TF threads' run-queue
         # wait (the time they were runnable but another process had the core), per rank, slowest
@@ -216,7 +231,20 @@ def main(argv=None):
                      "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
     for path in args.bench:
         path, _, cal = path.partition("=")  # FILE=CALIBRATION: this bench's own calibration
-        rows += bench_rows(path, cal or args.bench_calibration or args.calibration)
+        over = None
+        if args.measured_coordination:
+            vals = []
+            for f in args.measured_coordination:
+                with open(f.partition("=")[0]) as fh:
+                    v = hvd_overhead_of(json.load(fh))
+                if v is not None:
+                    vals.append(max(0.0, v))
+            vals.sort()
+            over = (vals[len(vals) // 2] if len(vals) % 2 else 0.5 * (vals[len(vals) // 2 - 1] + vals[len(vals) // 2])) \
+                if vals else None
+            print(f"bench cells: measured Horovod overhead per collective {over * 1e3:.1f} ms (median of "
+                  f"{len(vals)} step-profile runs)", file=sys.stderr)
+        rows += bench_rows(path, cal or args.bench_calibration or args.calibration, over)
     lines = ["| cell | how it ran | method | H | link | settings | loadavg | compute ms | compression ms/step "
              "| wait for slowest ms/step | wire ms/step | coordination ms/step | predicted ms | measured ms | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
