@@ -620,7 +620,9 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     rng = np.random.default_rng(1)
     tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
     names = [f"plan_{i}" for i in range(len(shapes))]
-    ex = Exchanger(comp)
+    # DGC momentum correction keeps a velocity per tensor; its cost does not depend on the
+    # momentum value, so any m in [0, 1) measures it (without one the setting refuses to build)
+    ex = Exchanger(comp, momentum=0.9 if getattr(comp, "momentum_correction", False) else None)
 
     @tf.function
     def once():

@@ -189,6 +189,20 @@ def test_plan_cli_ranks_every_candidate(tmp_path):
     assert "hgsgc plan: tiny" in r.stdout and labels[0] in r.stdout and "hourglass inputs: split at" in r.stdout
 
 
+def test_plan_cli_measures_a_setting_with_momentum_correction(tmp_path):
+    # the CIFAR and speech SGC configs ship DGC momentum correction; measuring its compression
+    # cost must not need the optimizer (it failed with "needs the optimizer's momentum")
+    out = tmp_path / "plan.json"
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", "model.name=tiny", "compression.delay=1", "compression.momentum_correction=true",
+               "--nodes", "2", "--bandwidth", "100mbit", "--compute-ms", "5", "--reps", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    cfg_row = rows["config"]  # the configured setting, with momentum correction
+    assert cfg_row["compression"]["momentum_correction"] is True and cfg_row["compression_s"] > 0.0, cfg_row
+
+
 def _candidates():
     from hgsgc.config import load_config
 
