@@ -259,18 +259,19 @@ class Pipeline:
         """
         if self.clip_norm:
             tensors = clip_by_global_norm_local(tensors, self.clip_norm, ctx.comm.size)
-        if self.dense is not None:
-            vec = [i for i, t in enumerate(tensors) if t.shape.rank < 2]
-            if vec:
-                mat = [i for i in range(len(tensors)) if i not in set(vec)]
-                out = [None] * len(tensors)
-                for i, a in zip(vec, self.dense.run([tensors[i] for i in vec], [names[i] for i in vec], ctx)):
+        vec = [i for i, t in enumerate(tensors) if t.shape.rank < 2] if self.dense is not None else []
+        if not vec:
+            return self._reduce(tensors, names, ctx)
+        mat = [i for i, t in enumerate(tensors) if t.shape.rank >= 2]
+        out = [None] * len(tensors)
+        for idx, fn in ((vec, self.dense.run), (mat, self._reduce)):  # dense collective first
+            if idx:
+                for i, a in zip(idx, fn([tensors[i] for i in idx], [names[i] for i in idx], ctx)):
                     out[i] = a
-                if mat:
-                    rest = Pipeline(self.reducer).run([tensors[i] for i in mat], [names[i] for i in mat], ctx)
-                    for i, a in zip(mat, rest):
-                        out[i] = a
-                return out
+        return out
+
+    def _reduce(self, tensors: List, names: List[str], ctx: Context) -> List:
+        """``reducer`` over ``tensors`` (viewed, then back to their shapes and dtypes)."""
         views = [self.reducer.view(t) for t in tensors]
         avgs, _ = self.reducer.reduce(views, names, ctx)
         return [tf.cast(tf.reshape(a, t.shape), t.dtype) for a, t in zip(avgs, tensors)]
