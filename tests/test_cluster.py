@@ -259,3 +259,21 @@ def test_run_tears_down_on_ctrl_c():
         cluster_sh("down", "--prefix", pre, check=False)
     assert p.returncode == 130, (p.returncode, err)
     assert not leftovers, leftovers
+
+
+@pytest.mark.mpi
+def test_ranks_are_not_bound_to_one_core(cluster2):
+    """Each emulated host is a one-slot node, so Open MPI's default binding (core, for <= 2 ranks)
+    put the rank of every host on core 0; cluster.sh launches with ``--bind-to none``: each rank
+    starts with every core this process may use, and HGSGC_PIN_CORES=1 pins rank r to its own core
+    ``r % cores`` (different cores for the 2 ranks when the machine has 2 or more)."""
+    cores = sorted(os.sched_getaffinity(0))
+    prog = ("import os, json; m = sorted(os.sched_getaffinity(0)); from hgsgc.runtime import pin_to_core; "
+            "c = pin_to_core(); print(json.dumps({'rank': int(os.environ['OMPI_COMM_WORLD_RANK']), "
+            "'mask': m, 'pinned': c}))")
+    env = dict(os.environ, HGSGC_PIN_CORES="1", PYTHONPATH=ROOT)
+    p = cluster2.mpirun(["-np", "2", sys.executable, "-c", prog], env=env, timeout=120)
+    out = sorted((json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in out] == [0, 1], p.stdout
+    assert all(r["mask"] == cores for r in out), out
+    assert [r["pinned"] for r in out] == [cores[0], cores[1 % len(cores)]], out

@@ -313,9 +313,13 @@ run_mpirun() {
       PMIX_*|ORTE_*|OMPI_*) unset "$v" ;;
     esac
   done
+  # --bind-to none: every emulated host is a "node" with one slot, so Open MPI's default binding
+  # (bind to core when the job has <= 2 ranks) bound the rank of EVERY host to core 0 of this
+  # machine: both ranks of a 2-host cell shared one core (HGSGC_PIN_CORES then found only core 0
+  # in its mask). Unbound, ranks float over all cores, or pin themselves (hgsgc.runtime.pin_to_core).
   local -a cmd=(ip netns exec "$(sw_ns "$prefix")" mpirun
     --allow-run-as-root
-    --hostfile "$sd/hostfile" --map-by node
+    --hostfile "$sd/hostfile" --map-by node --bind-to none
     --mca plm_rsh_agent "$sd/agent"
     --mca plm_rsh_no_tree_spawn 1
     --mca orte_leave_session_attached 1
