@@ -77,7 +77,7 @@ SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s"
              "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "pin",
              "full_epoch_steps", "time_to_target")
 DILATIONS = ("none", "cpu_share", "gpu")
-METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides")
+METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides", "curve_run")
 TTT_KEYS = ("metric", "mode", "reference", "rel", "abs", "curve_hosts", "curve_overrides", "curve_mpi_args",
             "curve_timeout_s", "reuse_curves", "eval_time", "budget_epochs")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -162,6 +162,12 @@ def load_spec(path_or_dict) -> dict:
             raise SpecError(f"spec: methods[{i}].role must be one of {ROLES}")
         if m["name"] in names:
             raise SpecError(f"spec: duplicate method name {m['name']!r}")
+        cr = m.get("curve_run")
+        if cr is not None and (not isinstance(cr, str) or not cr):
+            raise SpecError(f"spec: methods[{i}] ({m['name']}).curve_run must be a run directory or 'none', got {cr!r}")
+        if cr not in (None, "none") and not os.path.exists(os.path.join(cr, "metrics.jsonl")):
+            raise SpecError(f"spec: methods[{i}] ({m['name']}).curve_run: no metrics.jsonl in {cr} (give a finished "
+                            f"run directory of 'hgsgc train', or 'none' for a method without a curve)")
         if not os.path.exists(m["config"]):
             raise SpecError(f"spec: methods[{i}] ({m['name']}): config {m['config']} not found "
                             f"(paths are relative to the directory you run hgsgc bench from)")
@@ -491,6 +497,12 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
     share this machine's CPUs (the limit an n-host cell on this machine can reach); the record is
     the mean over the copies. A Hourglass method needs several ranks: it is measured with
     ``layout=data_parallel`` (the whole model on one process), the compute of one data-parallel step.
+
+    With the spec's ``pin`` (the clean cells), the single process (``copies=1``) is pinned to one
+    core as well (``HGSGC_PIN_CORES=1``: core 0; ``train.threads=1`` as in the cells), so that it
+    measures the compute of a host with ONE core, as each pinned cell's rank has: unpinned, its
+    input pipeline and runtime threads would also use the machine's other core. The record says
+    ``pinned``. ``copies > 1`` never pins (the copies share the cores).
     """
     py = python or sys.executable
     extra = []
@@ -509,6 +521,11 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
     rec = {"method": method["name"], "copies": copies, "status": "failed", "error": None,
            "extra_overrides": extra, "load_before": _load()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    rec["pinned"] = bool(spec.get("pin")) and copies == 1
+    if rec["pinned"]:
+        env["HGSGC_PIN_CORES"] = "1"
+    else:
+        env.pop("HGSGC_PIN_CORES", None)
     procs = []
     try:
         for rid in run_ids:
@@ -578,6 +595,28 @@ def _curve_of_run(run_dir: str, t: dict) -> dict:
     return rec
 
 
+def _given_curve(method: dict, spec: dict) -> Optional[dict]:
+    """The curve record of a method whose spec entry names its curve (``curve_run``): ``'none'``
+    (the method has no curve: recorded with status ``'none'``, "no curve" in the tables), or a
+    finished run directory (e.g. a committed ``docs/experiments/<run>``) that is read, never run.
+    None when the method has no ``curve_run`` (its curve is a loopback run of the bench)."""
+    cr = method.get("curve_run")
+    if cr is None:
+        return None
+    t = spec["time_to_target"]
+    if cr == "none":
+        return {"method": method["name"], "run_id": None, "status": "none", "reused": False,
+                "error": "no curve (curve_run: none: no quality curve of this method exists)"}
+    rec = {"method": method["name"], "run_id": os.path.basename(os.path.normpath(cr)), "source": cr,
+           "status": "failed", "error": None, "reused": True, "hosts": t["curve_hosts"],
+           "overrides": "as recorded in the run"}
+    try:
+        rec.update(_curve_of_run(cr, t))
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
 def load_curves(results: dict) -> None:
     """Re-rendering with ``reuse_curves``: read every method's curve run from ``runs_dir`` (never
     runs anything; a run without summary.json counts with the epochs it wrote, see
@@ -588,6 +627,10 @@ def load_curves(results: dict) -> None:
         return
     curves = results.setdefault("curves", {})
     for m in spec["methods"]:
+        given = _given_curve(m, spec)
+        if given is not None:
+            curves[m["name"]] = given
+            continue
         run_id = curve_run_id(spec, m)
         run_dir = os.path.join(spec["runs_dir"], run_id)
         if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -608,6 +651,9 @@ def run_curve(method: dict, spec: dict, python: Optional[str] = None) -> dict:
     ``overrides`` plus ``time_to_target.curve_overrides`` (NOT the spec's cell overrides nor the
     method's ``cell_overrides``). With ``reuse_curves``, a finished run of the same id in
     ``runs_dir`` (its summary.json exists) is read instead of run again (recorded as ``reused``)."""
+    given = _given_curve(method, spec)
+    if given is not None:
+        return given
     t = spec["time_to_target"]
     py = python or sys.executable
     run_id = curve_run_id(spec, method)
@@ -744,6 +790,16 @@ def add_ratios(results: dict) -> None:
                                   "best_baseline": b["method"] if b else None})
 
 
+def _runtime_settings() -> Dict[str, Optional[str]]:
+    """The Horovod / Open MPI settings every cell's ``hgsgc train`` runs with: the environment's
+    value, else hgsgc's default (``hgsgc.runtime.apply_defaults``); None when hgsgc's defaults are
+    off and the variable is unset (Horovod's / Open MPI's own default then applies)."""
+    from hgsgc import runtime
+
+    off = os.environ.get("HGSGC_RUNTIME_DEFAULTS", "1") == "0"
+    return {k: os.environ.get(k, None if off else v) for k, v in runtime.DEFAULTS.items()}
+
+
 def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] = None,
                on_cell: Optional[Callable[[dict], None]] = None) -> dict:
     """Run every cell of ``spec`` (a dict or a YAML path); returns the results (also the JSON).
@@ -756,7 +812,7 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
     results: Dict[str, Any] = {"name": spec["name"], "spec": spec,
                                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-                               "cells": [], "compute_only": {}}
+                               "runtime": _runtime_settings(), "cells": [], "compute_only": {}}
     t0 = time.perf_counter()
     co = spec["compute_only"]
     if co:
@@ -783,14 +839,16 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
 
         def curves_job():
             for m in order:
-                log(f"[bench] {m['name']:<22} curve: loopback run with "
-                    f"{spec['time_to_target']['curve_hosts']} ranks ...")
+                if m.get("curve_run") is None:
+                    log(f"[bench] {m['name']:<22} curve: loopback run with "
+                        f"{spec['time_to_target']['curve_hosts']} ranks ...")
                 rec = run_curve(m, spec, python)
                 results["curves"][m["name"]] = rec
                 log(f"[bench] {m['name']:<22} curve: " + (
                     f"{len(rec['curve'])} epochs, {rec['steps']} steps, final "
                     f"{spec['time_to_target']['metric']} {rec['final_value']:.2f}"
-                    f"{' (reused)' if rec['reused'] else ''}" if rec["status"] == "ok"
+                    f"{' (read from ' + rec['source'] + ')' if rec.get('source') else ' (reused)' if rec['reused'] else ''}"
+                    if rec["status"] == "ok" else "no curve" if rec["status"] == "none"
                     else f"FAILED ({rec['error']})"))
 
         curve_thread = threading.Thread(target=curves_job, name="hgsgc-bench-curves", daemon=True)
@@ -855,7 +913,9 @@ def markdown(results: dict) -> str:
         h, bw = g["hosts"], g["bandwidth"]
         out += [f"## {h} hosts, {bw}", "",
                 f"Horovod dense = `{g['dense']}`, best baseline = `{g['best_baseline']}` (fastest in this run).", "",
-                "| method | role | status | step ms | compute-only ms (1 proc) | x compute | "
+                "| method | role | status | step ms | compute-only ms (1 proc"
+                + (", pinned to 1 core" if any(r.get("pinned") for r in results.get("compute_only", {}).values())
+                   else "") + ") | x compute | "
                 f"compute-only ms ({h} procs) | x that | epoch s | vs dense | "
                 "vs best baseline | sent kB/step/rank (hgsgc) | iface kB/step/rank | compr. ratio | test acc | load |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

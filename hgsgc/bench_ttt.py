@@ -153,7 +153,7 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
                "final_value": None, "wallclock": [], "note": ""}
         curve = curves.get(c["method"])
         if not curve:
-            row["note"] = "no curve (its loopback run failed or is missing)"
+            row["note"] = "no curve"
         elif c.get("status") != "ok" or row["step_s"] is None or row["eval_s"] is None:
             row["note"] = "no step time (the cell failed)"
             row["final_value"] = curve[-1]["value"]
@@ -223,7 +223,8 @@ def markdown(results: dict) -> List[str]:
            "Ratios: the other's time / this method's time (> 1: this one is sooner).", "",
            "### Curves (loopback)", ""]
     names = [m["name"] for m in spec["methods"] if curves.get(m["name"], {}).get("status") == "ok"]
-    failed = [f"`{m}`: {r.get('error')}" for m, r in curves.items() if r.get("status") != "ok"]
+    failed = [f"`{m}`: {r.get('error')}" for m, r in curves.items() if r.get("status") not in ("ok", "none")]
+    none = [f"`{m}`" for m, r in curves.items() if r.get("status") == "none"]
     if names:
         n_ep = max(len(curves[m]["curve"]) for m in names)
         out += ["| epoch | steps | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
@@ -236,11 +237,14 @@ def markdown(results: dict) -> List[str]:
             f"`{m}` {_fmt(curves[m].get('mean_step_time_s') and curves[m]['mean_step_time_s'] * 1e3)} ms/step, "
             f"load {_fmt((curves[m].get('load_before') or [None])[0])}"
             f"{'-' + _fmt(curves[m]['load_after'][0]) if curves[m].get('load_after') else ''}"
-            f"{' (reused run)' if curves[m].get('reused') else ''}"
+            f"{' (read from `' + curves[m]['source'] + '`)' if curves[m].get('source') else ' (reused run)' if curves[m].get('reused') else ''}"
             f"{'' if curves[m].get('run_finished', True) else ', run stopped after ' + str(curves[m].get('run_epochs')) + ' epochs'}"
             f"{'' if curves[m].get('complete', True) else ' (INCOMPLETE curve)'}" for m in names) + "."]
     if failed:
         out += ["", "Failed curve runs: " + "; ".join(failed)]
+    if none:
+        out += ["", "No curve (none exists for these methods; `curve_run: none` in the spec): " + ", ".join(none)
+                + ". Their rows have step times, no time to target."]
     out.append("")
     for g in tt["groups"]:
         rows = [r for r in tt["rows"] if (r["hosts"], r["bandwidth"]) == (g["hosts"], g["bandwidth"])]

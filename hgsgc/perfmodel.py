@@ -219,7 +219,7 @@ FRAME_EFFICIENCY = 1448.0 / 1514.0
 #: bidir_factor: the rate each direction keeps when two ranks send to each other at once under
 #: Open MPI 4.1's TCP ``put`` protocol (docs/cluster.md: 46-48 of 95 Mbit/s), 1.0 without it;
 #: cycle_s: HOROVOD_CYCLE_TIME as hgsgc sets it (hgsgc/runtime.py).
-EMULATOR = {"alpha_s": 250e-6, "efficiency": 0.94, "bidir_factor": 0.5, "cycle_s": 0.005,
+EMULATOR = {"alpha_s": 250e-6, "efficiency": 0.94, "bidir_factor": 0.5, "cycle_s": 0.001,
             "source": "efficiency and bidir_factor: docs/cluster.md, quiet machine (95 of 100 Mbit/s; "
                       "pairwise 46-48 Mbit/s under put); alpha_s: assumed (TCP through veth + MPI), "
                       "not measured quietly: under load 37-42 a 0-byte round took 9-33 ms "

@@ -10,8 +10,13 @@ remove it:
 * ``OMPI_MCA_mpi_yield_when_idle=1``: Open MPI's progress loop yields the core
   (``sched_yield``) when it finds nothing to do, so a waiting collective no longer competes with
   TensorFlow for the core (the thread's CPU per idle step fell from ~12.5 ms to ~0.7 ms).
-* ``HOROVOD_CYCLE_TIME=5`` (ms): 200 instead of 1,000 idle negotiation rounds per second (fewer
-  packets and wake-ups) at the cost of at most one cycle of latency per collective.
+* ``HOROVOD_CYCLE_TIME=1`` (ms, Horovod 0.28's own default, set explicitly so that the
+  performance model reads the same value, :func:`hgsgc.perfmodel.horovod_cycle_s`). An earlier
+  version set 5 ms to cut idle negotiation rounds; with ``yield_when_idle`` that buys nothing:
+  on 2 pinned emulated hosts with dedicated cores (load ~2, docs/benchmarks/step_profile.md,
+  "Quiet machine") the background thread's CPU per idle 16 ms compute step was 0.36-0.45 ms at
+  5 ms and 0.37-0.48 ms at 1 ms, while every collective waits on average half a cycle: the SGC
+  delay-1 training step took 24.3-26.3 ms at 5 ms and 21.4-21.9 ms at 1 ms.
 
 Both cut CPU; on the shared 2-core benchmark machine the wall-clock effect was mixed (one pair
 of runs was slower with them: a yielding thread also hands the core to other processes), so the
@@ -31,7 +36,7 @@ from typing import Dict, MutableMapping, Optional
 
 DEFAULTS: Dict[str, str] = {
     "OMPI_MCA_mpi_yield_when_idle": "1",
-    "HOROVOD_CYCLE_TIME": "5",
+    "HOROVOD_CYCLE_TIME": "1",
 }
 
 

@@ -214,3 +214,48 @@ def test_incomplete_curve_is_not_called_not_reached():
     assert rows["s"]["note"] == "incomplete curve: not reached in its first 1 of 2 epochs"
     assert rows["q"]["time_to_target_s"] == pytest.approx(10 * 1.0 + 1 * 2.0)
     assert rows["d"]["time_to_target_s"] == pytest.approx(20 * 1.0 + 2 * 2.0)
+
+
+def test_curve_run_reads_a_given_run_or_records_no_curve(tmp_path):
+    """``curve_run: DIR`` reads that finished run (never runs it); ``curve_run: none`` records
+    "no curve"; combine then gives the methods without a curve step times and no time to target;
+    a curve_run without metrics.jsonl is a spec error."""
+    import json
+
+    run = tmp_path / "exp" / "dense_run"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"world_size": 4}))
+    lines = [{"kind": "step", "step": 50, "epoch": 1, "train_loss": 1.6},
+             {"epoch": 1, "steps": 468, "test_accuracy": 0.8394},
+             {"epoch": 2, "steps": 468, "test_accuracy": 0.9048}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cfg = os.path.join(ROOT, "configs/cifar10_resnet20/dense.yaml")
+    base = {"name": "t", "runs_dir": str(tmp_path / "runs"),
+            "time_to_target": {"metric": "test_accuracy", "mode": "max", "abs": 0.005, "reference": "d",
+                               "budget_epochs": 2},
+            "methods": [{"name": "d", "config": cfg, "role": "dense", "curve_run": str(run)},
+                        {"name": "f", "config": cfg, "role": "dense", "curve_run": "none"}]}
+    spec = bench.load_spec(base)
+    recs = {m["name"]: bench.run_curve(m, spec) for m in spec["methods"]}
+    assert recs["d"]["status"] == "ok" and recs["d"]["source"] == str(run) and recs["d"]["reused"] is True
+    assert recs["d"]["curve"] == [{"epoch": 1, "steps": 468, "value": 0.8394},
+                                  {"epoch": 2, "steps": 936, "value": 0.9048}]
+    assert recs["f"]["status"] == "none" and recs["f"].get("curve") is None
+    assert not (tmp_path / "runs").exists()  # nothing was run
+    results = {"spec": dict(spec, time_to_target=dict(spec["time_to_target"], reuse_curves=True))}
+    bench.load_curves(results)
+    assert results["curves"]["d"]["curve"] == recs["d"]["curve"] and results["curves"]["f"]["status"] == "none"
+    cells = [_cell("d", "10mbit", 10.0, 1.5, 20.0), _cell("f", "10mbit", 10.0, 0.75, 20.0)]
+    curves = {m: r["curve"] for m, r in recs.items() if r["status"] == "ok"}
+    rows = {r["method"]: r for r in bench_ttt.combine(curves, cells, "d", "max", abs_=0.005,
+                                                      roles={"d": "dense", "f": "dense"}, budget_epochs=2)["rows"]}
+    # target 0.9048 - 0.005 = 0.8998: reached at epoch 2, 936 steps x 1.5 s + 2 evaluations x 20 s
+    assert rows["d"]["epoch"] == 2 and rows["d"]["time_to_target_s"] == pytest.approx(936 * 1.5 + 2 * 20.0)
+    assert rows["f"]["time_to_target_s"] is None and rows["f"]["note"] == "no curve"
+    assert rows["f"]["step_s"] == 0.75
+    text = "\n".join(bench_ttt.markdown({"spec": results["spec"], "curves": results["curves"],
+                                          "time_to_target": bench_ttt.combine(
+                                              curves, cells, "d", "max", abs_=0.005, budget_epochs=2)}))
+    assert "No curve (none exists for these methods; `curve_run: none` in the spec): `f`" in text
+    with pytest.raises(bench.SpecError, match=r"curve_run: no metrics.jsonl in"):
+        bench.load_spec(dict(base, methods=[dict(base["methods"][0], curve_run=str(tmp_path / "nope"))]))
