@@ -46,6 +46,17 @@ class LayoutInputs:
             exchange (encode, decode, merge) of the whole model / the trunk / the head.
         t_update_conv, t_update_fc: seconds per step of the optimizer update of the trunk's / the
             head's variables (data parallelism updates both).
+        machine_of, machine_cores, cpu_parallelism: the CPU share (:func:`cpu_share`):
+            ``machine_of[r]`` the machine (0-based index) of world rank ``r`` (empty: every rank
+            on a machine of its own, share 1), ``machine_cores[m]`` the cores machine ``m`` gives
+            its ranks, ``cpu_parallelism`` ``u`` the cores one rank keeps busy while it computes
+            alone (CPU seconds per wall second, measured). Every time above that is CPU work
+            (``t_conv``, ``t_fc``, ``codec_s``, compression, updates) is measured on a rank
+            computing ALONE on its machine; the predictions scale it by the share.
+
+    Raises:
+        ValueError: a ``machine_of`` of the wrong length, a machine without its cores, cores
+            <= 0 or ``cpu_parallelism`` <= 0 (names the field).
     """
 
     world_size: int
@@ -73,6 +84,24 @@ class LayoutInputs:
     fc_compression_s: float = 0.0
     t_update_conv: float = 0.0
     t_update_fc: float = 0.0
+    machine_of: Tuple[int, ...] = ()
+    machine_cores: Tuple[float, ...] = ()
+    cpu_parallelism: float = 1.0
+
+    def __post_init__(self):
+        mo, mc = tuple(int(m) for m in self.machine_of), tuple(float(c) for c in self.machine_cores)
+        object.__setattr__(self, "machine_of", mo)
+        object.__setattr__(self, "machine_cores", mc)
+        if not float(self.cpu_parallelism) > 0:
+            raise ValueError(f"LayoutInputs.cpu_parallelism={self.cpu_parallelism!r} must be > 0 "
+                             f"(cores a rank keeps busy alone; 1.0 for one thread)")
+        if mo:
+            if len(mo) != int(self.world_size):
+                raise ValueError(f"LayoutInputs.machine_of has {len(mo)} entries for world_size "
+                                 f"{self.world_size}: give one machine index per rank (or none)")
+            if min(mo) < 0 or max(mo) >= len(mc) or not all(c > 0 for c in mc):
+                raise ValueError(f"LayoutInputs.machine_cores={list(mc)} must give > 0 cores for every "
+                                 f"machine index in machine_of={list(mo)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,21 +145,50 @@ def role_exchange(inp: LayoutInputs, k: int, payload: float, algorithm: str, del
             "coordination_s": p["coordination_s"], "exchange_s": p["step_s"]}
 
 
+def cpu_share(inp: LayoutInputs, busy) -> float:
+    """The factor by which CPU work measured on a rank computing alone grows when the world ranks
+    ``busy`` compute at the same time:
+
+        share = max(1, max over machines m of  u |busy on m| / P_m)
+
+    (``u = inp.cpu_parallelism``, ``P_m = inp.machine_cores[m]``; 1 without ``machine_of``).
+    Assumes: co-located ranks that compute at once split their machine's cores evenly (a fair
+    scheduler, work-conserving: ``k`` ranks that each keep ``u`` cores busy alone need ``k u``
+    cores), ranks that wait use no CPU (hgsgc's waits poll with sleeps and Open MPI yields when
+    idle, ``hgsgc.runtime``), the ranks of a machine are alike (one ``u``, the median), and
+    communication, memory bandwidth and other processes' load are not part of the share (their
+    effect is in the measured times). On a cluster with one rank per host (or per GPU with its own
+    cores) ``u <= P`` and the share is 1.
+    """
+    if not inp.machine_of:
+        return 1.0
+    per = {}
+    for r in busy:
+        m = inp.machine_of[int(r)]
+        per[m] = per.get(m, 0) + 1
+    return max([1.0] + [inp.cpu_parallelism * k / inp.machine_cores[m] for m, k in per.items()])
+
+
 def predict_data_parallel(inp: LayoutInputs) -> dict:
     """Data parallelism on ``n`` ranks: :func:`predict_step` with compute
-    ``b (t_conv + t_fc) + t_update_conv + t_update_fc`` and the whole model's exchange::
+    ``b (t_conv + t_fc) + t_update_conv + t_update_fc`` and the whole model's exchange; every rank
+    computes, compresses and updates at the same time, so the CPU work is scaled by
+    ``s = cpu_share(all ranks)`` (:func:`cpu_share`; 1 with one rank per machine)::
 
-        T = b (t_conv + t_fc) + u_conv + u_fc + (c_dp + wire(n, P_dp) + coordination(n)) / H
+        T = s (b (t_conv + t_fc) + u_conv + u_fc) + (s c_dp + wire(n, P_dp) + coordination(n)) / H
 
     Throughput ``n b / T`` examples per second.
     """
     n, b = inp.world_size, inp.batch_size
-    compute = b * (inp.t_conv + inp.t_fc) + inp.t_update_conv + inp.t_update_fc
-    p = predict_step(compute, inp.dp_compression_s, Traffic(((inp.dp_algorithm, inp.dp_payload),), int(inp.delay)),
+    s = cpu_share(inp, range(n))
+    compute = s * (b * (inp.t_conv + inp.t_fc) + inp.t_update_conv + inp.t_update_fc)
+    p = predict_step(compute, s * inp.dp_compression_s,
+                     Traffic(((inp.dp_algorithm, inp.dp_payload),), int(inp.delay)),
                      n, inp.link, cycle_s=inp.cycle_s)
     t = p["step_s"]
     return {"layout": "data_parallel", "fc_workers": None, "compute_s": compute,
             "compression_s": p["compression_s"], "wire_s": p["wire_s"], "coordination_s": p["coordination_s"],
+            "update_s": s * (inp.t_update_conv + inp.t_update_fc), "cpu_share": {"all": s},
             "exchange_s": t - compute, "step_s": t, "examples_per_step": n * b,
             "throughput": n * b / t if t > 0 else float("inf")}
 
@@ -149,6 +207,14 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
 
         T(F) = S + (M - 1) max(s) + max(u_conv + E(C, P_conv, H), u_fc + E(F, P_fc, H_fc)) + 2 M alpha
 
+    CPU share (:func:`cpu_share`; all factors 1 with one rank per machine): in ``S`` (one
+    micro-batch through the stages, the roles one after the other) the trunk stage is scaled by
+    the share of the CONV ranks computing at once, ``s_conv = cpu_share(CONV ranks)``, the head
+    stage by ``s_fc = cpu_share(FC ranks)``; in the ``(M - 1) max(s)`` part the stages of
+    different micro-batches overlap, so both compute stages are scaled by ``s_all =
+    cpu_share(all ranks)``; the updates and the compression after the pipeline run on both roles
+    at once: ``u``, ``c_conv``, ``c_fc`` are scaled by ``s_all``. The wire stages are not scaled.
+
     Throughput: ``C b / T(F)`` examples per second.
     """
     n, b, M, F = inp.world_size, inp.batch_size, max(1, inp.micro_batches), fc_workers
@@ -158,28 +224,52 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
               "wire_in_s": m * b * inp.act_bytes / inp.beta / M,
               "fc_s": m * b * (inp.t_fc + inp.codec_s / 2) / M,
               "wire_out_s": m * b * inp.grad_bytes / inp.beta / M}
-    pipe = sum(stages.values()) + (M - 1) * max(stages.values())
-    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
-    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
-    after = max(inp.t_update_conv + ex_c["exchange_s"], inp.t_update_fc + ex_f["exchange_s"])
+    share = {"conv_stage": cpu_share(inp, range(C)), "fc_stage": cpu_share(inp, range(C, n)),
+             "all": cpu_share(inp, range(n))}
+    alone = dict(stages, conv_s=stages["conv_s"] * share["conv_stage"], fc_s=stages["fc_s"] * share["fc_stage"])
+    overlap = dict(stages, conv_s=stages["conv_s"] * share["all"], fc_s=stages["fc_s"] * share["all"])
+    pipe = sum(alone.values()) + (M - 1) * max(overlap.values())
+    sa = share["all"]
+    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, sa * inp.conv_compression_s)
+    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, sa * inp.fc_compression_s)
+    after = max(sa * inp.t_update_conv + ex_c["exchange_s"], sa * inp.t_update_fc + ex_f["exchange_s"])
     t = pipe + after + 2 * M * inp.alpha
     return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": m,
-            "stages_per_micro_batch_s": stages, "pipeline_s": pipe, "conv_exchange_s": ex_c["exchange_s"],
-            "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c, "fc_exchange": ex_f,
+            "stages_per_micro_batch_s": stages, "cpu_share": share, "pipeline_s": pipe,
+            "conv_exchange_s": ex_c["exchange_s"], "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c,
+            "fc_exchange": ex_f, "update_conv_s": sa * inp.t_update_conv, "update_fc_s": sa * inp.t_update_fc,
             "update_and_exchange_s": after, "step_s": t, "examples_per_step": C * b,
             "throughput": C * b / t if t > 0 else float("inf")}
 
 
-def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True) -> dict:
+def with_role_compression(inp: LayoutInputs, fc_workers: int, conv_cost: dict, fc_cost: dict) -> LayoutInputs:
+    """``inp`` with the compression seconds of the CONV and FC exchanges among ``C = n - F`` /
+    ``F`` ranks: ``conv_compression_s = compression_at(conv_cost, C, conv_algorithm)``,
+    ``fc_compression_s = compression_at(fc_cost, F, fc_algorithm)`` (:func:`compression_at` of
+    :func:`measure_compression_s`'s costs; they grow with the ranks of each exchange). Used by
+    ``hgsgc plan`` and ``layout: auto`` alike."""
+    import dataclasses
+
+    n = inp.world_size
+    return dataclasses.replace(
+        inp, conv_compression_s=compression_at(conv_cost, n - fc_workers, inp.conv_algorithm),
+        fc_compression_s=compression_at(fc_cost, fc_workers, inp.fc_algorithm))
+
+
+def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=None) -> dict:
     """Predict data parallelism and the Hourglass for ``F = 1 .. floor(n/2)``; pick the highest
     throughput (ties: data parallelism, then fewer FC ranks).
+
+    ``inputs_at``: optional ``F -> LayoutInputs`` for the Hourglass candidates (e.g.
+    :func:`with_role_compression`, whose compression seconds depend on ``F``); default ``inp``.
 
     Returns:
         ``{"layout", "fc_workers", "inputs", "predictions": [...], "choice": the chosen prediction}``.
     """
     preds = [predict_data_parallel(inp)]
     if hourglass_possible and inp.world_size >= 2:
-        preds += [predict_hourglass(inp, F) for F in range(1, inp.world_size // 2 + 1)]
+        preds += [predict_hourglass(inputs_at(F) if inputs_at else inp, F)
+                  for F in range(1, inp.world_size // 2 + 1)]
     best = preds[0]
     for p in preds[1:]:
         if p["throughput"] > best["throughput"] * (1 + 1e-9):
@@ -197,10 +287,25 @@ def format_layout_report(report: dict) -> str:
              f"beta {i['beta'] * 8 / 1e6:.1f} Mbit/s, payload DP {i['dp_payload']:.0f} B ({i['dp_algorithm']}, "
              f"H {i['delay']}), CONV {i['conv_payload']:.0f} B, FC {i['fc_payload']:.0f} B ({i['fc_algorithm']}), "
              f"M {i['micro_batches']}, Horovod cycle {i.get('cycle_s', 0.0) * 1e3:g} ms"]
+    if "dp_compression_s" in i:
+        mo = i.get("machine_of") or []
+        lines.append(f"layout auto: measured alone: compression DP {i['dp_compression_s'] * 1e3:.2f} ms, "
+                     f"update trunk {i.get('t_update_conv', 0.0) * 1e3:.2f} ms + head "
+                     f"{i.get('t_update_fc', 0.0) * 1e3:.2f} ms; CPU: "
+                     + (f"{len(i.get('machine_cores') or [])} machines, cores {list(i.get('machine_cores') or [])}, "
+                        f"rank -> machine {list(mo)}, u {i.get('cpu_parallelism', 1.0):.2f} cores/rank"
+                        if mo else "one rank per machine (share 1)"))
     for p in report["predictions"]:
         name = "data parallel" if p["layout"] == "data_parallel" else f"hourglass F={p['fc_workers']}"
+        sh = ", ".join(f"{k} {v:.2f}" for k, v in (p.get("cpu_share") or {}).items())
+        if p["layout"] == "data_parallel":
+            parts = (f"compute+update {p['compute_s'] * 1e3:.2f} ms, compression {p['compression_s'] * 1e3:.2f} ms, "
+                     f"wire {p['wire_s'] * 1e3:.2f} ms, coordination {p['coordination_s'] * 1e3:.2f} ms")
+        else:
+            parts = (f"pipeline {p['pipeline_s'] * 1e3:.2f} ms, update+exchange {p['update_and_exchange_s'] * 1e3:.2f} ms "
+                     f"(CONV compression {p['conv_exchange']['compression_s'] * 1e3:.2f} ms)")
         lines.append(f"  {name}: step {p['step_s'] * 1e3:.2f} ms for {p['examples_per_step']} examples, "
-                     f"{p['throughput']:.0f} examples/s")
+                     f"{p['throughput']:.0f} examples/s ({parts}; CPU share {sh or '1'})")
     c = report["choice"]
     lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else ""))
     return "\n".join(lines)
@@ -651,6 +756,37 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
 
         per = _timed_median(lambda: decode_one().numpy(), reps, clock=clock)
     return {"base_s": base, "per_payload_s": per}
+
+
+def measure_update_s(shapes, momentum: float = 0.0, reps: int = 5, clock=None) -> float:
+    """Median seconds of one optimizer update of float32 variables of ``shapes``: the
+    ``tf.keras.optimizers.legacy.SGD(momentum=momentum).apply_gradients`` hgsgc's runners apply
+    (``v <- m v - lr g; w <- w + v``, Sutskever et al. 2013), with fixed random gradients, in one
+    ``tf.function`` (two warm-up calls, then ``reps`` timed ones); the ``t_update_*`` inputs of
+    :class:`LayoutInputs`. ``clock``: as in :func:`measure_compute_s`. 0 for no variables.
+
+    Raises:
+        ValueError: ``momentum`` outside ``[0, 1)``.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    if not 0.0 <= float(momentum) < 1.0:
+        raise ValueError(f"measure_update_s: momentum={momentum!r} must be in [0, 1) (train.momentum)")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    if not shapes:
+        return 0.0
+    rng = np.random.default_rng(2)
+    variables = [tf.Variable(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    grads = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    opt = tf.keras.optimizers.legacy.SGD(0.01, momentum=float(momentum))
+
+    @tf.function
+    def update():
+        opt.apply_gradients(zip(grads, variables))
+        return tf.add_n([tf.reduce_sum(tf.reshape(v, [-1])[:1]) for v in variables])  # after the update
+
+    return _timed_median(lambda: update().numpy(), reps, clock=clock)
 
 
 def compression_at(cost: dict, k: int, algorithm: str) -> float:

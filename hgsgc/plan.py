@@ -179,12 +179,7 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
 def inputs_for(inp: pm.LayoutInputs, fc_workers: int, conv_cost: dict, fc_cost: dict) -> pm.LayoutInputs:
     """``inp`` with the CONV / FC compression costs of the exchanges among ``N - F`` / ``F`` ranks
     (:func:`hgsgc.perfmodel.compression_at`: they grow with the ranks of each exchange)."""
-    import dataclasses
-
-    n = inp.world_size
-    return dataclasses.replace(
-        inp, conv_compression_s=pm.compression_at(conv_cost, n - fc_workers, inp.conv_algorithm),
-        fc_compression_s=pm.compression_at(fc_cost, fc_workers, inp.fc_algorithm))
+    return pm.with_role_compression(inp, fc_workers, conv_cost, fc_cost)
 
 
 def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: int = 5,

@@ -23,8 +23,26 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   :func:`hgsgc.compression.codec.exchange_payload_bytes`.
 
 * Horovod's cycle time (``HOROVOD_CYCLE_TIME``, :func:`hgsgc.perfmodel.horovod_cycle_s`) for the
-  coordination of each gradient exchange. Not measured here (0 in the model): the compression
-  cost of the exchanges and the optimizer updates (``hgsgc plan`` measures both).
+  coordination of each gradient exchange;
+* the compression seconds of one exchange (selection, encoding, decoding, error feedback, DGC
+  momentum correction) of the whole model (data parallel, configured ``compression``), of the
+  trunk (CONV ranks, the same setting) and of the head (FC ranks, ``hourglass.fc_method``):
+  :func:`hgsgc.perfmodel.measure_compression_s`, as ``hgsgc plan`` measures them (Horovod on
+  ``MPI.COMM_SELF`` for the measurement, shut down after it), turned into the cost among ``k``
+  ranks by :func:`hgsgc.perfmodel.compression_at`; the optimizer update seconds of the trunk's
+  and of the head's variables (``t_update_conv``, ``t_update_fc``:
+  :func:`hgsgc.perfmodel.measure_update_s`, SGD with ``train.momentum``);
+* the CPU share: which ranks share a machine's cores and how many cores it has
+  (:func:`hgsgc.hourglass.costmodel.find_machines`: the kernel boot id, else MPI's shared-memory
+  split; the union of the ranks' affinity masks), and ``u``, the cores one rank keeps busy
+  while it computes alone (:func:`hgsgc.hourglass.costmodel.cpu_per_wall`), so that
+  :func:`hgsgc.perfmodel.cpu_share` scales the times measured alone to what they cost when the
+  co-located ranks compute at once (1 with one rank per machine).
+
+Every per-rank measurement above runs ALONE on its machine: the ranks of one machine take turns
+(:func:`hgsgc.hourglass.costmodel.take_turns`; ranks of different machines measure at once), so
+on a cluster with one rank per host nothing waits, and on one machine with ``n`` ranks the
+start-up measurement takes ``n`` times one rank's.
 
 The predictions are :func:`hgsgc.perfmodel.predict_data_parallel` and
 :func:`hgsgc.perfmodel.predict_hourglass` (the one performance model of the project, also used
@@ -76,16 +94,87 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro
     g = fc_pass(a_t, y)[-1].numpy().reshape(b, -1)
     codec_s = codec_seconds(ac, gc, a, g, repeats)
     act_bytes, grad_bytes = boundary_bytes(ac, gc, a != 0, micro_batches)
+    from hgsgc.hourglass.costmodel import cpu_per_wall
+
+    cpu_c = cpu_per_wall(conv_pass, (xt,), repeats)
+    cpu_f = cpu_per_wall(fc_pass, (a_t, y), repeats)
+    # u over both stages, weighted by their times
+    u = (cpu_c * t_conv + cpu_f * t_fc) / (t_conv + t_fc) if t_conv + t_fc > 0 else 1.0
     return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": act_bytes,
-            "grad_bytes": grad_bytes, "codec_s": codec_s,
+            "grad_bytes": grad_bytes, "codec_s": codec_s, "cpu_parallelism": float(u),
             "density": float(np.count_nonzero(a)) / a.size}
+
+
+def measure_compression_and_update(conv_shapes, fc_shapes, compression, fc_compression,
+                                   momentum: float, repeats: int = 3) -> dict:
+    """This rank's compression and update costs, measured as ``hgsgc plan`` measures them.
+
+    Compression: :func:`hgsgc.perfmodel.measure_compression_s` (``{"base_s", "per_payload_s"}``
+    seconds) of one exchange of the whole model (``dp``: trunk + head shapes under
+    ``compression``), of the trunk (``conv``, ``compression``) and of the head (``fc``,
+    ``fc_compression``), with Horovod initialised on ``MPI.COMM_SELF`` (a world of this rank
+    alone: no collective with the other ranks, which are waiting) and shut down afterwards, so
+    the chosen layout initialises Horovod afresh. Update: :func:`hgsgc.perfmodel.measure_update_s`
+    of the trunk's / the head's variables with SGD momentum ``momentum`` (seconds per step).
+
+    Args:
+        conv_shapes, fc_shapes: variable shapes of the trunk / the head.
+        compression, fc_compression: ``hgsgc.Compression`` settings (CONV side / FC side).
+
+    Returns:
+        ``{"compression_cost": {"dp": cost, "conv": cost, "fc": cost}, "update_conv_s": s,
+        "update_fc_s": s}``.
+
+    Raises:
+        RuntimeError: Horovod is already initialised in this process (``layout: auto`` must
+            measure before the chosen layout starts Horovod).
+    """
+    import horovod.tensorflow as hvd
+    from mpi4py import MPI
+
+    from hgsgc import perfmodel
+
+    if hvd.is_initialized():
+        raise RuntimeError("layout=auto measures each rank's compression with Horovod on this rank alone: "
+                           "call it before hvd.init() (hgsgc.train.run does)")
+    hvd.init(comm=MPI.COMM_SELF)
+    try:
+        cost = {"dp": perfmodel.measure_compression_s(compression, list(conv_shapes) + list(fc_shapes), repeats),
+                "conv": perfmodel.measure_compression_s(compression, conv_shapes, repeats),
+                "fc": perfmodel.measure_compression_s(fc_compression, fc_shapes, repeats)}
+    finally:
+        hvd.shutdown()
+    return {"compression_cost": cost,
+            "update_conv_s": perfmodel.measure_update_s(conv_shapes, momentum, repeats),
+            "update_fc_s": perfmodel.measure_update_s(fc_shapes, momentum, repeats)}
+
+
+def _median_measurements(items) -> dict:
+    """Per-field medians over the ranks' measurement dicts (the compression costs per key)."""
+    out = {}
+    for k, v in items[0].items():
+        if isinstance(v, dict):
+            out[k] = _median_measurements([m[k] for m in items])
+        else:
+            out[k] = float(np.median([m[k] for m in items]))
+    return out
 
 
 def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     """Measure on every rank, predict, decide on rank 0, broadcast; collective over ``comm``.
 
+    Every rank measures alone on its machine (:func:`hgsgc.hourglass.costmodel.take_turns`):
+    :func:`measure` and :func:`measure_compression_and_update`; then the link probe; rank 0 builds
+    :class:`hgsgc.perfmodel.LayoutInputs` from the per-field medians (``dp_compression_s`` for
+    ``n`` ranks; the CONV / FC compression per ``F`` by
+    :func:`hgsgc.perfmodel.with_role_compression`, in each prediction's ``conv_exchange`` /
+    ``fc_exchange``) and calls :func:`hgsgc.perfmodel.choose_layout`.
+
     Returns (every rank): ``{"layout": "data_parallel" | "hourglass", "fc_workers": F or None,
-    "inputs": {...}, "predictions": [...], "choice": {...}}``.
+    "inputs": {...}, "predictions": [...], "choice": {...}, "measured": {...}, "link": {...}}``.
+
+    Raises:
+        RuntimeError: a rank's measurement failed (every rank raises, naming the ranks).
     """
     from hgsgc import perfmodel
     from hgsgc.compression import as_compression
@@ -95,12 +184,23 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
 
     from hgsgc.hourglass.costmodel import configured_codecs
 
+    from hgsgc.hourglass.costmodel import find_machines, take_turns
+
     h = cfg.hourglass
-    try:
+    cc = as_compression(compression_from_config(cfg.compression))
+    fcc = as_compression(fc_compression_from_config(cfg))
+    conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
+    fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
+    machines = find_machines(comm)  # collective
+
+    def measure_me():
         act_codec, grad_codec = configured_codecs(h)
-        mine, err = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches)), None
-    except Exception as exc:  # report on every rank instead of hanging the others
-        mine, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
+        m = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches))
+        m.update(measure_compression_and_update(conv_shapes, fc_shapes, cc, fcc, float(cfg.train.momentum)))
+        return m
+
+    stall = float(getattr(cfg.faults, "stall_timeout_s", 0.0) or 0.0)
+    mine, err = take_turns(comm, machines["machine_of"], measure_me, stall if stall > 0 else 3600.0)
     gathered = comm.allgather((mine, err))
     errors = [e for _, e in gathered if e]
     if errors:
@@ -108,13 +208,11 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
     report = None
     if comm.Get_rank() == 0:
-        meas = {k: float(np.median([m[k] for m, _ in gathered])) for k in gathered[0][0]}
-        cc = as_compression(compression_from_config(cfg.compression))
-        fcc = as_compression(fc_compression_from_config(cfg))
-        conv_shapes = [tuple(v.shape) for v in split.trunk_variables]
-        fc_shapes = [tuple(v.shape) for v in split.head_variables]
+        meas = _median_measurements([m for m, _ in gathered])
+        cost = meas["compression_cost"]
+        n = comm.Get_size()
         inputs = perfmodel.LayoutInputs(
-            world_size=comm.Get_size(), batch_size=len(x), t_conv=meas["t_conv"], t_fc=meas["t_fc"],
+            world_size=n, batch_size=len(x), t_conv=meas["t_conv"], t_fc=meas["t_fc"],
             act_bytes=meas["act_bytes"], grad_bytes=meas["grad_bytes"], codec_s=meas["codec_s"],
             alpha=link["alpha_s"], beta=link["beta_Bps"],
             dp_payload=float(exchange_payload_bytes(cc, conv_shapes + fc_shapes)),
@@ -122,9 +220,17 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
             fc_payload=float(exchange_payload_bytes(fcc, fc_shapes)),
             dp_algorithm=perfmodel.algorithm_of(cc), conv_algorithm=perfmodel.algorithm_of(cc),
             fc_algorithm=perfmodel.algorithm_of(fcc), delay=int(cc.delay), fc_delay=int(fcc.delay),
-            micro_batches=int(h.micro_batches), cycle_s=perfmodel.horovod_cycle_s())
-        report = perfmodel.choose_layout(inputs)
-        report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"]}
+            micro_batches=int(h.micro_batches), cycle_s=perfmodel.horovod_cycle_s(),
+            dp_compression_s=perfmodel.compression_at(cost["dp"], n, perfmodel.algorithm_of(cc)),
+            t_update_conv=meas["update_conv_s"], t_update_fc=meas["update_fc_s"],
+            machine_of=tuple(machines["machine_of"]), machine_cores=tuple(machines["machine_cores"]),
+            cpu_parallelism=meas["cpu_parallelism"])
+        report = perfmodel.choose_layout(
+            inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]))
+        report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
+                              "compression_cost": cost, "machines": machines,
+                              "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
+                              "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
         report["link"] = link
     report = comm.bcast(report, root=0)
     if log is not None and comm.Get_rank() == 0:

@@ -388,6 +388,106 @@ def codec_seconds(act_codec, grad_codec, a, g, repeats: int = 3) -> float:
     return sorted(ts)[len(ts) // 2] / b
 
 
+def cpu_per_wall(fn, args, repeats: int = 3) -> float:
+    """Cores ``fn(*args)`` keeps busy: this process's CPU seconds (``time.process_time``, all its
+    threads) over wall seconds (``time.perf_counter``) of ``repeats`` calls (call it after a
+    warm-up; each call waits for its first output's value). The ``u`` of
+    :func:`hgsgc.perfmodel.cpu_share`; with one TensorFlow thread about 1, with ``T`` intra-op
+    threads at most ``T``; lower when other processes take the cores (then the CPU seconds, not
+    the wall seconds, are what the share scales)."""
+    import tensorflow as tf
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(max(1, repeats)):
+        out = fn(*args)
+        float(tf.reduce_sum(out[0]))
+    wall = time.perf_counter() - t0
+    return (time.process_time() - c0) / wall if wall > 0 else 1.0
+
+
+#: Where the machine identity of :func:`find_machines` is read (Linux: one value per boot of a kernel).
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def find_machines(comm, boot_id_path: str = BOOT_ID_PATH) -> dict:
+    """Which ranks of ``comm`` share a machine's cores, and how many cores each machine has;
+    collective over ``comm``.
+
+    Ranks are on one machine when they report the same kernel boot id (``boot_id_path``): ranks
+    in network namespaces or containers of one machine (the emulated cluster of
+    ``scripts/cluster/``, whose "hosts" Open MPI sees as separate nodes) share one kernel and its
+    cores. Where the boot id cannot be read, MPI's shared-memory split
+    (``MPI_Comm_split_type(COMM_TYPE_SHARED)``, what Horovod's ``local_size`` counts) decides. A
+    machine's cores are the union of its ranks' CPU affinity masks (``os.sched_getaffinity``;
+    ``os.cpu_count()`` where there is none; cgroup CPU quotas are not seen).
+
+    Returns:
+        On every rank: ``{"machine_of": [machine index of each rank] (machines numbered in the
+        order of their lowest rank), "machine_cores": [cores of each machine], "how": "boot_id"
+        | "MPI shared split" (per rank), "rank_cores": [affinity size of each rank]}``.
+    """
+    import os
+
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    leader = shared.allreduce(rank, op=MPI.MIN)
+    shared.Free()
+    try:
+        with open(boot_id_path) as f:
+            key, how = "boot:" + f.read().strip(), "boot_id"
+    except OSError:
+        key, how = f"shared:{leader}", "MPI shared split"
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    else:  # pragma: no cover - not Linux
+        cores = list(range(os.cpu_count() or 1))
+    allk = comm.allgather((key, cores, how))
+    index, union = {}, []
+    machine_of = []
+    for k, c, _ in allk:
+        if k not in index:
+            index[k] = len(union)
+            union.append(set())
+        union[index[k]].update(c)
+        machine_of.append(index[k])
+    return {"machine_of": machine_of, "machine_cores": [float(len(u)) for u in union],
+            "how": [h for _, _, h in allk], "rank_cores": [len(c) for _, c, _ in allk]}
+
+
+def take_turns(comm, machine_of, fn, timeout_s: float = 3600.0):
+    """Run ``fn()`` on every rank of ``comm``, one rank of each machine at a time (ranks of
+    different machines at once), so that each measures ALONE on its machine's cores; collective.
+
+    Turn ``t`` runs ``fn`` on the ``t``-th rank (in rank order) of every machine, then every rank
+    waits at an ``Ibarrier`` polled with short sleeps (:func:`hgsgc.faults.wait_for_peers`, so
+    the waiting ranks leave the cores to the measuring one). An exception in ``fn`` is caught
+    and returned, never left to hang the others.
+
+    Returns:
+        ``(fn's result or None, error text or None)`` on this rank.
+
+    Raises:
+        hgsgc.faults.StallError: a turn took longer than ``timeout_s`` seconds.
+    """
+    from hgsgc.faults import wait_for_peers
+
+    rank = comm.Get_rank()
+    mine = [r for r, m in enumerate(machine_of) if m == machine_of[rank]]
+    turns = max(sum(1 for x in machine_of if x == m) for m in set(machine_of))
+    result, err = None, None
+    for t in range(turns):
+        if t == mine.index(rank):
+            try:
+                result = fn()
+            except Exception as exc:  # reported on every rank by the caller
+                err = f"rank {rank}: {type(exc).__name__}: {exc}"
+        wait_for_peers([comm.Ibarrier()], None, f"layout=auto measurement turn {t + 1} of {turns}",
+                       timeout_s, max_pause_s=5e-3)
+    return result, err
+
+
 def median_seconds(fn, args, repeats: int) -> float:
     """Median wall time in seconds of ``repeats`` calls of ``fn(*args)`` after one untimed
     warm-up call (graph tracing); each call waits for its first output's value."""
