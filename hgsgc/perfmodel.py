@@ -160,13 +160,22 @@ def cpu_share(inp: LayoutInputs, busy) -> float:
     effect is in the measured times). On a cluster with one rank per host (or per GPU with its own
     cores) ``u <= P`` and the share is 1.
     """
+    return max(1.0, cpu_bound_s(inp, {int(r): 1.0 for r in busy}))
+
+
+def cpu_bound_s(inp: LayoutInputs, work_s: dict) -> float:
+    """The shortest time in which the ranks' CPU work fits on their machines' cores:
+    ``max over machines m of u * sum(work_s[r] for r on m) / P_m``, with ``work_s`` ``{world rank:
+    seconds that rank's work takes alone}`` (a rank keeps ``u`` cores busy alone, so its work is
+    ``u * seconds`` core-seconds; a machine runs ``P_m`` core-seconds per second). 0 without
+    ``machine_of`` (no machine is shared)."""
     if not inp.machine_of:
-        return 1.0
+        return 0.0
     per = {}
-    for r in busy:
+    for r, w in work_s.items():
         m = inp.machine_of[int(r)]
-        per[m] = per.get(m, 0) + 1
-    return max([1.0] + [inp.cpu_parallelism * k / inp.machine_cores[m] for m, k in per.items()])
+        per[m] = per.get(m, 0.0) + float(w)
+    return max([0.0] + [inp.cpu_parallelism * w / inp.machine_cores[m] for m, w in per.items()])
 
 
 def predict_data_parallel(inp: LayoutInputs) -> dict:
@@ -210,10 +219,13 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
     CPU share (:func:`cpu_share`; all factors 1 with one rank per machine): in ``S`` (one
     micro-batch through the stages, the roles one after the other) the trunk stage is scaled by
     the share of the CONV ranks computing at once, ``s_conv = cpu_share(CONV ranks)``, the head
-    stage by ``s_fc = cpu_share(FC ranks)``; in the ``(M - 1) max(s)`` part the stages of
-    different micro-batches overlap, so both compute stages are scaled by ``s_all =
-    cpu_share(all ranks)``; the updates and the compression after the pipeline run on both roles
-    at once: ``u``, ``c_conv``, ``c_fc`` are scaled by ``s_all``. The wire stages are not scaled.
+    stage by ``s_fc = cpu_share(FC ranks)``; in the ``(M - 1) max(s)`` part the trunk stage of
+    one micro-batch overlaps the head stage of the previous one, so its term is ``(M - 1)
+    max(s_conv_alone, s_in, s_fc_alone, s_out, cpu_bound_s({CONV rank: s_conv, FC rank: s_fc}))``
+    (:func:`cpu_bound_s`: the CPU work of both stages of every rank of a machine on its cores,
+    work-conserving); the updates and the compression after the pipeline run on both roles at
+    once: ``u_conv``, ``u_fc``, ``c_conv``, ``c_fc`` are scaled by ``s_all = cpu_share(all
+    ranks)``. The wire stages are not scaled.
 
     Throughput: ``C b / T(F)`` examples per second.
     """
@@ -227,8 +239,9 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
     share = {"conv_stage": cpu_share(inp, range(C)), "fc_stage": cpu_share(inp, range(C, n)),
              "all": cpu_share(inp, range(n))}
     alone = dict(stages, conv_s=stages["conv_s"] * share["conv_stage"], fc_s=stages["fc_s"] * share["fc_stage"])
-    overlap = dict(stages, conv_s=stages["conv_s"] * share["all"], fc_s=stages["fc_s"] * share["all"])
-    pipe = sum(alone.values()) + (M - 1) * max(overlap.values())
+    both = cpu_bound_s(inp, {**{r: stages["conv_s"] for r in range(C)}, **{r: stages["fc_s"] for r in range(C, n)}})
+    share["overlap_s"] = both
+    pipe = sum(alone.values()) + (M - 1) * max(list(stages.values()) + [both])
     sa = share["all"]
     ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, sa * inp.conv_compression_s)
     ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, sa * inp.fc_compression_s)

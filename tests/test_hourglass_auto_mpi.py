@@ -85,6 +85,60 @@ def test_layout_auto_honours_the_override(result):
 
 
 @pytest.mark.mpi
+def test_machines_and_turns(result):
+    """find_machines: every rank of this machine on one machine with its affinity's cores; with
+    fake boot ids even and odd ranks apart. take_turns: ranks of one (fake) machine measured one
+    after the other, never at once; a failing rank's error comes back, the others go on."""
+    n = result["size"]
+    ranks = result["ranks"]
+    m = ranks[0]["machines"]
+    assert all(r["machines"] == m for r in ranks)
+    assert m["machine_of"] == [0] * n and m["how"] == ["boot_id"] * n
+    assert m["machine_cores"] == [float(ranks[0]["affinity"])] and m["rank_cores"] == [r["affinity"] for r in ranks]
+    fake = ranks[0]["machines_fake"]
+    assert fake["machine_of"] == [r % 2 for r in range(n)]
+    assert all(r["machines_fake"] == fake for r in ranks)
+    assert ranks[1]["turn"] == {"interval": None, "error": "rank 1: ValueError: rank 1 fails on purpose"}
+    for mach in (0, 1):
+        iv = sorted(ranks[r]["turn"]["interval"] for r in range(n) if r % 2 == mach and r != 1)
+        assert all(a[1] <= b[0] for a, b in zip(iv, iv[1:]))          # one after the other
+        assert all(ranks[r]["turn"]["error"] is None for r in range(n) if r % 2 == mach and r != 1)
+
+
+@pytest.mark.mpi
+def test_layout_auto_measures_compression_update_and_share(result):
+    """3 ranks, SGC on the tiny model's CONV ranks: the report's inputs carry the measured
+    compression (whole model among n, trunk among C, head among F per prediction), the updates
+    and the machines; the predictions are perfmodel's on exactly those inputs."""
+    if result["size"] != 3:
+        return
+    from hgsgc import perfmodel as pm
+
+    rep = result["ranks"][0]["layout_auto_report"]
+    assert all(r["layout_auto_report"] == rep for r in result["ranks"])
+    i, meas = rep["inputs"], rep["measured"]
+    cost = meas["compression_cost"]
+    assert i["machine_of"] == meas["machines"]["machine_of"] == [0, 0, 0]
+    assert i["machine_cores"] == meas["machines"]["machine_cores"]
+    assert i["cpu_parallelism"] > 0 and i["t_update_conv"] > 0 and i["t_update_fc"] > 0
+    per_rank = meas["per_rank"]
+    assert len(per_rank) == 3
+    for mkey, ikey in (("t_conv", "t_conv"), ("t_fc", "t_fc"), ("update_conv_s", "t_update_conv"),
+                       ("update_fc_s", "t_update_fc"), ("cpu_parallelism", "cpu_parallelism")):
+        assert i[ikey] == sorted(p[mkey] for p in per_rank)[1], ikey              # median of 3 ranks
+    assert cost["dp"]["base_s"] > 0 and cost["conv"]["base_s"] > 0                 # SGC measured
+    assert cost["fc"] == {"base_s": 0.0, "per_payload_s": 0.0}                      # dense FC: nothing
+    assert i["dp_compression_s"] == pm.compression_at(cost["dp"], 3, i["dp_algorithm"])
+    inp = pm.LayoutInputs(**i)
+    again = pm.choose_layout(inp, inputs_at=lambda F: pm.with_role_compression(inp, F, cost["conv"], cost["fc"]))
+    assert json.loads(json.dumps(again["predictions"])) == rep["predictions"]
+    assert (rep["layout"], rep["fc_workers"]) == (again["layout"], again["fc_workers"])
+    hg = rep["predictions"][1]
+    assert hg["conv_exchange"]["compression_s"] == pytest.approx(
+        hg["cpu_share"]["all"] * pm.compression_at(cost["conv"], 2, i["conv_algorithm"]), rel=1e-12)
+
+
+@pytest.mark.mpi
 def test_run_writes_the_probe_to_summary(result):
     if result["size"] != 2:
         return

@@ -163,6 +163,8 @@ def _median_measurements(items) -> dict:
 def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     """Measure on every rank, predict, decide on rank 0, broadcast; collective over ``comm``.
 
+    A Horovod left initialised by an earlier run in this process is shut down first (on every
+    rank, as :class:`~hgsgc.hourglass.layout.Layout` does); the chosen layout starts its own.
     Every rank measures alone on its machine (:func:`hgsgc.hourglass.costmodel.take_turns`):
     :func:`measure` and :func:`measure_compression_and_update`; then the link probe; rank 0 builds
     :class:`hgsgc.perfmodel.LayoutInputs` from the per-field medians (``dp_compression_s`` for
@@ -192,6 +194,13 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
     fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
     machines = find_machines(comm)  # collective
+    import horovod.tensorflow as hvd
+
+    from hgsgc.hourglass import layout as layout_mod
+
+    if hvd.is_initialized():  # a Horovod of an earlier run in this process: every rank shuts it down
+        hvd.shutdown()        # here, as Layout does before it initialises its own
+    layout_mod._HOROVOD_GENERATION[0] += 1  # an earlier Layout's close() leaves the next Horovod alone
 
     def measure_me():
         act_codec, grad_codec = configured_codecs(h)

@@ -8,7 +8,11 @@ Usage: ``check_hourglass_auto.py RUN_DIR``.
 * ``Layout(world, "auto")`` (no Horovod) on FIXED cost inputs (every rank returns the same
   :class:`CostInputs`), with the default link (the real probe) and with injected links
   (a fixed probe result; the config override): the report and the choice of every rank;
-* 3 ranks: ``layout: auto`` (:func:`hgsgc.hourglass.auto.choose`) with the config override;
+* every rank: :func:`hgsgc.hourglass.costmodel.find_machines` (the real boot id; fake ones: even
+  and odd ranks) and :func:`~hgsgc.hourglass.costmodel.take_turns` on the fake machines (rank 1
+  fails on purpose);
+* 3 ranks: ``layout: auto`` (:func:`hgsgc.hourglass.auto.choose`) with the config override
+  (the whole report: measured compression, updates, machines);
 * 2 ranks: a short real ``hgsgc.hourglass.train.run`` with ``fc_workers=auto`` writing RUN_DIR
   (its summary.json must carry the probed link), and a short ``layout=auto`` run of a
   CIFAR-format task (vgg16, width 1/16) through ``hgsgc.train.run``.
@@ -57,6 +61,34 @@ out["auto_slow"] = auto_layout(lambda: link_inputs(world, probe=lambda c: SLOW))
 out["auto_fast"] = auto_layout(lambda: link_inputs(world, probe=lambda c: FAST))
 out["auto_override"] = auto_layout(lambda: link_inputs(world, 100.0))
 
+# 2b. the CPU share's inputs: machines by boot id (the real one: every rank on this machine; fake
+# ones: even / odd ranks), and measuring in turns (ranks of one machine never at once)
+import os  # noqa: E402
+import time  # noqa: E402
+
+from hgsgc.hourglass.costmodel import find_machines, take_turns  # noqa: E402
+
+out["machines"] = find_machines(world)
+out["affinity"] = len(os.sched_getaffinity(0))
+if len(sys.argv) > 1:
+    fake = os.path.join(sys.argv[1], f"boot_{rank % 2}")
+    with open(fake, "w") as f:
+        f.write(f"fake-boot-{rank % 2}\n")
+    world.Barrier()
+    out["machines_fake"] = find_machines(world, boot_id_path=fake)
+
+    def turn():
+        if rank == 1:
+            raise ValueError("rank 1 fails on purpose")
+        t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes of a Linux machine
+        x = 0.0
+        for i in range(20000):  # some work, so that an overlap would show
+            x += i
+        return [t0, time.monotonic()]
+
+    res, err = take_turns(world, out["machines_fake"]["machine_of"], turn)
+    out["turn"] = {"interval": res, "error": err}
+
 # 3. layout: auto with the override (no probe)
 if n == 3:
     from hgsgc.config import load_config
@@ -65,12 +97,14 @@ if n == 3:
     from hgsgc.models import build_model
 
     cfg = load_config(None, ["layout=auto", "model.name=tiny", "train.batch_size=8",
-                             "hourglass.link_bandwidth_mbps=100"])
+                             "hourglass.link_bandwidth_mbps=100", "compression.method=sgc",
+                             "compression.density=0.05"])
     split = split_model(build_model("tiny", seed=5))
     xb = np.random.default_rng(3).random((8, 28, 28, 1), dtype=np.float32)
     rep = choose(world, split, xb, cfg)
     out["layout_auto_override"] = {"link": rep["link"], "alpha": rep["inputs"]["alpha"],
                                    "beta": rep["inputs"]["beta"], "layout": rep["layout"]}
+    out["layout_auto_report"] = rep
 
 # 4. a short real run with fc_workers: auto
 if n == 2 and len(sys.argv) > 1:
