@@ -240,7 +240,6 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
              "all": cpu_share(inp, range(n))}
     alone = dict(stages, conv_s=stages["conv_s"] * share["conv_stage"], fc_s=stages["fc_s"] * share["fc_stage"])
     both = cpu_bound_s(inp, {**{r: stages["conv_s"] for r in range(C)}, **{r: stages["fc_s"] for r in range(C, n)}})
-    share["overlap_s"] = both
     pipe = sum(alone.values()) + (M - 1) * max(list(stages.values()) + [both])
     sa = share["all"]
     ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, sa * inp.conv_compression_s)
@@ -248,7 +247,7 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
     after = max(sa * inp.t_update_conv + ex_c["exchange_s"], sa * inp.t_update_fc + ex_f["exchange_s"])
     t = pipe + after + 2 * M * inp.alpha
     return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": m,
-            "stages_per_micro_batch_s": stages, "cpu_share": share, "pipeline_s": pipe,
+            "stages_per_micro_batch_s": stages, "cpu_share": share, "overlap_cpu_bound_s": both, "pipeline_s": pipe,
             "conv_exchange_s": ex_c["exchange_s"], "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c,
             "fc_exchange": ex_f, "update_conv_s": sa * inp.t_update_conv, "update_fc_s": sa * inp.t_update_fc,
             "update_and_exchange_s": after, "step_s": t, "examples_per_step": C * b,

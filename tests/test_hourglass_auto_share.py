@@ -70,7 +70,8 @@ def test_hourglass_shares_by_stage(M):
     want = pipe + max(s_all * 0.2e-3 + ex_c, s_all * 1.5e-3 + 0.0) + 2 * M * i.alpha
     assert p["pipeline_s"] == pytest.approx(pipe, rel=1e-12)
     assert p["step_s"] == pytest.approx(want, rel=1e-12)
-    assert p["cpu_share"] == pytest.approx({"conv_stage": s_conv, "fc_stage": s_fc, "all": s_all, "overlap_s": both})
+    assert p["cpu_share"] == pytest.approx({"conv_stage": s_conv, "fc_stage": s_fc, "all": s_all})
+    assert p["overlap_cpu_bound_s"] == pytest.approx(both, rel=1e-12)
     assert p["conv_exchange"]["compression_s"] == pytest.approx(s_all * 1e-3, rel=1e-12)
 
 
