@@ -17,13 +17,20 @@ Open MPI's ``put`` protocol where the cell ran with it (``FILE=CAL.json`` gives 
 calibration). Writes a Markdown table (stdout, ``--md``) and the rows as JSON (``--json``). The
 committed table (docs/benchmarks/perfmodel.md)::
 
+    Q=docs/benchmarks/link_calibration_quiet.json
     .venv/bin/python scripts/cluster/perfmodel_validation.py \
         $(for f in docs/benchmarks/step_profile/s3_*.json; do echo $f=docs/benchmarks/link_calibration_load15.json; done) \
-        $(ls docs/benchmarks/step_profile/*.json | grep -v -e s3_ -e timeline) \
+        $(for f in docs/benchmarks/step_profile/s4_sgc1_*.json; do echo $f=$Q; done) \
+        $(ls docs/benchmarks/step_profile/*.json | grep -v -e s3_ -e s4_ -e timeline) \
         --calibration docs/benchmarks/link_calibration.json \
         --bench docs/benchmarks/vgg16_4h_ttt.json=docs/benchmarks/link_calibration_load15.json \
                 docs/benchmarks/ptb_4h_ttt.json=docs/benchmarks/link_calibration.json \
+                docs/benchmarks/clean_2h.json=$Q docs/benchmarks/clean_2h_cycle5.json=$Q \
+                docs/benchmarks/resnet20_4h.json=$Q \
         --json docs/benchmarks/perfmodel_validation.json
+
+(the cells of this session, on a quiet machine with a core per rank, use the quiet calibration;
+the older rows keep the calibration they were predicted with, taken with both ranks on one core.)
 """
 import argparse
 import json
@@ -116,8 +123,16 @@ def bench_rows(path, calibration, overhead_s=None):
         # 5 ms hgsgc then set)
         cal["cycle_s"] = float((d.get("runtime") or {}).get("HOROVOD_CYCLE_TIME") or 5) / 1e3
         link = pm.link_for(bw, calibration=cal)
-        shared = d.get("compute_only_shared", {}).get(f"{cell['method']}@{k}", {})
-        alone = d.get("compute_only", {}).get(cell["method"], {})
+        # a method without its own compute-only run (e.g. the same config run without Open MPI's
+        # put protocol) takes that of a method with the same config and overrides: only mpirun's
+        # arguments differ, which a one-process run does not use
+        same = [cell["method"]] + [o["name"] for o in spec["methods"] if o["name"] != cell["method"]
+                                   and (o["config"], o.get("overrides", []), o.get("cell_overrides", []))
+                                   == (m["config"], m.get("overrides", []), m.get("cell_overrides", []))]
+        shared = next((d.get("compute_only_shared", {})[f"{x}@{k}"] for x in same
+                       if d.get("compute_only_shared", {}).get(f"{x}@{k}", {}).get("status") == "ok"), {})
+        alone = next((d.get("compute_only", {})[x] for x in same
+                      if d.get("compute_only", {}).get(x, {}).get("status") == "ok"), {})
         basis = "shared" if shared.get("status") == "ok" else "alone" if alone.get("status") == "ok" else None
         if basis is None:
             print(f"{d['name']}: {cell['method']} @ {k} hosts {bw}: no compute-only measurement, no prediction",
@@ -143,7 +158,7 @@ def bench_rows(path, calibration, overhead_s=None):
             p = {"compute_s": compute, "compression_s": 0.0, "wait_s": 0.0, **acc}
             p["step_s"] = sum(p.values())
         meas = cell["mean_step_time_s"]
-        rows.append({"run": f"{d['name']}:{cell['method']}@{k}h/{bw}",
+        rows.append({"run": f"{os.path.splitext(os.path.basename(path))[0]}:{cell['method']}@{k}h/{bw}",
                      "kind": f"bench cell ({k} hosts, {'pinned' if spec.get('pin') else 'unpinned'})",
                      "method": cell["method"], "delay": int(cfg.compression.delay), "bandwidth": bw, "hosts": k,
                      "samples": False, "tuned": tuned, "compute_basis": basis,

@@ -5,7 +5,7 @@ Inputs measured here, in CPU time (``time.process_time``, one TensorFlow thread:
 dedicated core, independent of other load on the machine): the compute step of the config's
 model and batch, and each method's compression cost (``perfmodel.measure_compression_s``). The
 links are ``perfmodel.link_for(rate, bidir_factor=1)`` (a tuned cluster without Open MPI's TCP
-``put`` penalty; alpha as in ``perfmodel.EMULATOR``), one rank per node, Horovod cycle 5 ms.
+``put`` penalty; alpha as in ``perfmodel.EMULATOR``), one rank per node, Horovod cycle ``perfmodel.EMULATOR["cycle_s"]`` (1 ms, what hgsgc sets).
 Writes ``OUT.json``, ``OUT.md`` and ``OUT.png`` (predicted step time vs nodes, one panel per
 bandwidth). Time to target would multiply by the steps to target of full-length quality
 curves, which are not measured yet: this projects step times only::
