@@ -16,7 +16,8 @@ remove it:
   on 2 pinned emulated hosts with dedicated cores (load ~2, docs/benchmarks/step_profile.md,
   "Quiet machine") the background thread's CPU per idle 16 ms compute step was 0.36-0.45 ms at
   5 ms and 0.37-0.48 ms at 1 ms, while every collective waits on average half a cycle: the SGC
-  delay-1 training step took 24.3-26.3 ms at 5 ms and 21.4-21.9 ms at 1 ms.
+  delay-1 training step took 24.3-26.3 ms at 5 ms and 21.4-24.8 ms at 1 ms (same link, minutes
+  apart; 1.5-4 ms less per step).
 
 Both cut CPU; on the shared 2-core benchmark machine the wall-clock effect was mixed (one pair
 of runs was slower with them: a yielding thread also hands the core to other processes), so the
