@@ -262,7 +262,12 @@ if n == 4:
     split = split_model(build_model("tiny", seed=5))
     xb = np.random.default_rng(3).random((8, 28, 28, 1), dtype=np.float32)
     rep = choose(world, split, xb, cfg)
-    again = perfmodel.choose_layout(perfmodel.LayoutInputs(**rep["inputs"]))
+    # recompute exactly as auto.choose does: the Hourglass candidates use per-F role compression
+    # costs (with_role_compression), so the base inputs alone would predict other Hourglass times
+    inp = perfmodel.LayoutInputs(**rep["inputs"])
+    cc = rep["measured"]["compression_cost"]
+    again = perfmodel.choose_layout(
+        inp, inputs_at=lambda F: perfmodel.with_role_compression(inp, F, cc["conv"], cc["fc"]))
     res["layout_auto"] = {"layout": rep["layout"], "fc_workers": rep["fc_workers"],
                           "recomputed": [again["layout"], again["fc_workers"]],
                           "n_predictions": len(rep["predictions"]), "inputs": rep["inputs"]}
