@@ -127,7 +127,7 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
         ``(inputs or None, info)``; ``info["reason"]`` says why there is no Hourglass layout
         (no conv/FC boundary, one node), else it holds the split, codecs, activation density and
         the measured compression costs of the CONV and FC exchanges (``conv_compression_cost``,
-        ``fc_compression_cost``; :func:`inputs_for` puts them into the inputs for each ``F``).
+        ``fc_compression_cost``; :func:`hgsgc.perfmodel.with_role_compression` puts them into the inputs for each ``F``).
     """
     from hgsgc.config import compression_from_config, fc_compression_from_config
     from hgsgc.hourglass import auto
@@ -176,12 +176,6 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     return inp, info
 
 
-def inputs_for(inp: pm.LayoutInputs, fc_workers: int, conv_cost: dict, fc_cost: dict) -> pm.LayoutInputs:
-    """``inp`` with the CONV / FC compression costs of the exchanges among ``N - F`` / ``F`` ranks
-    (:func:`hgsgc.perfmodel.compression_at`: they grow with the ranks of each exchange)."""
-    return pm.with_role_compression(inp, fc_workers, conv_cost, fc_cost)
-
-
 def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: int = 5,
          link: Optional[pm.Link] = None, steps_to_target: Optional[dict] = None, log=None,
          cycle_s: float = pm.EMULATOR["cycle_s"]) -> dict:
@@ -218,7 +212,7 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
     inp, info = hourglass_inputs(cfg, model, int(nodes), link, cycle_s, compute_s, reps,
                                  costs_by_label["config"], log)
     if inp is not None:
-        at = lambda F: inputs_for(inp, F, info["conv_compression_cost"], info["fc_compression_cost"])  # noqa: E731
+        at = lambda F: pm.with_role_compression(inp, F, info["conv_compression_cost"], info["fc_compression_cost"])  # noqa: E731
         for F in fc_workers_to_list(at, int(nodes)):
             rows.append(hourglass_row(at(F), F, _method_name(cfg)))
     inputs = {"config": cfg.model.name, "batch_size": cfg.train.batch_size, "nodes": int(nodes),

@@ -180,7 +180,7 @@ def test_plan_cli_ranks_every_candidate(tmp_path):
                                                   + row["coordination_s"])
         else:
             F = row["fc_workers"]
-            again = pm.predict_hourglass(plan_mod.inputs_for(hi, F, res["hourglass"]["conv_compression_cost"],
+            again = pm.predict_hourglass(pm.with_role_compression(hi, F, res["hourglass"]["conv_compression_cost"],
                                                              res["hourglass"]["fc_compression_cost"]), F)
             assert row["step_s"] == pytest.approx(again["step_s"], rel=1e-12)
             assert row["examples_per_step"] == (4 - F) * 32
@@ -352,7 +352,7 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
     # one model: data parallelism predicted from the Hourglass inputs is the SGC row
     assert pm.predict_data_parallel(inp)["step_s"] == pytest.approx(want_sgc, rel=1e-12)
     conv_cost, fc_cost = {"base_s": 1e-3, "per_payload_s": 5e-4}, {"base_s": 0.0, "per_payload_s": 0.0}
-    at = lambda F: plan_mod.inputs_for(inp, F, conv_cost, fc_cost)  # noqa: E731
+    at = lambda F: pm.with_role_compression(inp, F, conv_cost, fc_cost)  # noqa: E731
     fcs = plan_mod.fc_workers_to_list(at, n)
     assert fcs == [1, 2]
     want_h = {}
