@@ -1,7 +1,8 @@
 """``hgsgc`` command line: ``hgsgc train CONFIG [key=value ...]``, ``hgsgc report RUN_DIR``.
 
 Under ``mpirun``/``srun`` every rank runs the same command. A configuration error stops every
-rank with one line (printed by rank 0) and exit code 2 before any collective; an error every
+rank with one line (printed by rank 0 after one allgather in which the ranks agree on the
+outcome of loading the config) and exit code 2 before training starts; an error every
 rank raises alike is printed once (``hgsgc: error (all N ranks): ...``, exit 1); an error on some
 ranks is printed once too (``hgsgc: error on rank R: ...`` or ``on ranks R,S: ...``, by the
 lowest-numbered rank that failed first) and aborts the whole MPI job (exit 1), so a failure on
@@ -44,15 +45,26 @@ def run_guarded(fn, *args, **kwargs):
 
 def cmd_train(args) -> int:
     from hgsgc.config import ConfigError, load_config
+    from hgsgc.faults import error_comm, one_line
 
-    from hgsgc.faults import world_rank
-
-    rank = world_rank()
+    # Every rank loads the configuration, then all agree on the outcome in one allgather that
+    # every rank reaches whether its load failed or not (so a config error on some ranks only,
+    # e.g. a file missing on one node, cannot hang the others). Rank 0 prints each distinct
+    # error once, naming the ranks, and every rank returns 2 after the agreement, so mpirun
+    # cannot end rank 0 before it has printed.
+    comm = error_comm()  # collective Dup of COMM_WORLD (None for a single process)
+    cfg, err = None, None
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        if rank == 0:
-            print(f"hgsgc: config error: {exc}", file=sys.stderr, flush=True)
+        err = str(exc)
+    except Exception as exc:  # a bug in loading: still agreed, so no rank waits forever
+        err = one_line(exc)
+    errs = comm.allgather(err) if comm is not None else [err]
+    if any(e is not None for e in errs):
+        if comm is None or comm.Get_rank() == 0:
+            for text in _config_error_lines(errs):
+                print(text, file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -64,6 +76,22 @@ def cmd_train(args) -> int:
 
     run_guarded(go)
     return 0
+
+
+def _config_error_lines(errs) -> list:
+    """``hgsgc: config error: ...`` once per distinct message; ``errs[r]`` is rank r's (or None).
+
+    The ranks are named only when not every rank reported that message."""
+    seen = {}
+    for r, e in enumerate(errs):
+        if e is not None:
+            seen.setdefault(e, []).append(r)
+    out = []
+    for e, ranks in seen.items():
+        who = "" if len(ranks) == len(errs) else (
+            " on rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks)))
+        out.append(f"hgsgc: config error{who}: {e}")
+    return out
 
 
 def cmd_report(args) -> int:

@@ -63,10 +63,31 @@ def _cli(args, np_=None, timeout=120):
 @pytest.mark.mpi
 def test_config_error_stops_every_rank_with_one_line():
     p = _cli(["train", CFG, "compression.density=0"], np_=3)
-    assert p.returncode != 0
+    assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hgsgc: config error")]
     assert len(lines) == 1, p.stderr       # printed once (rank 0), not once per rank
+    assert lines[0].startswith("hgsgc: config error: ")  # every rank failed: no rank list
     assert "compression.density=0.0 is invalid" in lines[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_", [2, 3])
+def test_config_error_on_one_rank_ends_every_rank(np_):
+    p = mpirun(np_, ["tests/mpi/config_error_one_rank.py"], timeout=120)  # a hang hits the timeout
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hgsgc: config error")]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("hgsgc: config error on rank 1: ")
+    assert "compression.density=0.0 is invalid" in lines[0]
+
+
+def test_config_error_lines_group_ranks():
+    from hgsgc.cli import _config_error_lines
+
+    assert _config_error_lines(["bad x", "bad x"]) == ["hgsgc: config error: bad x"]
+    assert _config_error_lines([None, "bad x", "bad y", "bad x"]) == [
+        "hgsgc: config error on ranks 1,3: bad x", "hgsgc: config error on rank 2: bad y"]
+    assert _config_error_lines([None, None]) == []
 
 
 @pytest.mark.mpi
