@@ -46,6 +46,15 @@ class LayoutInputs:
             exchange (encode, decode, merge) of the whole model / the trunk / the head.
         t_update_conv, t_update_fc: seconds per step of the optimizer update of the trunk's / the
             head's variables (data parallelism updates both).
+        conv_fwd_mb_s, conv_bwd_mb_s, fc_call_s, fc_row_s: the Hourglass stages as the
+            pipeline runs them (``layout: auto`` measures them, :func:`hgsgc.hourglass.auto.
+            measure_pipeline_stages`): seconds of ONE micro-batch's trunk forward / backward
+            (``b / M`` examples, the ``M`` micro-batches in one ``tf.function`` with the step's
+            graph-to-Python crossings) and the FC rank's work per micro-batch of ``r`` examples
+            ``fc_call_s + r fc_row_s`` (the head's forward + backward call with its Python
+            around it: concatenation, tensor conversion, splitting ``dA``; codec work excluded).
+            All 0 (the default): the closed form of :func:`predict_hourglass` from ``t_conv``,
+            ``t_fc`` instead of :func:`pipeline_schedule`.
         machine_of, machine_cores, cpu_parallelism: the CPU share (:func:`cpu_share`):
             ``machine_of[r]`` the machine (0-based index) of world rank ``r`` (empty: every rank
             on a machine of its own, share 1), ``machine_cores[m]`` the cores machine ``m`` gives
@@ -87,6 +96,10 @@ class LayoutInputs:
     machine_of: Tuple[int, ...] = ()
     machine_cores: Tuple[float, ...] = ()
     cpu_parallelism: float = 1.0
+    conv_fwd_mb_s: float = 0.0
+    conv_bwd_mb_s: float = 0.0
+    fc_call_s: float = 0.0
+    fc_row_s: float = 0.0
 
     def __post_init__(self):
         mo, mc = tuple(int(m) for m in self.machine_of), tuple(float(c) for c in self.machine_cores)
@@ -232,6 +245,8 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
     n, b, M, F = inp.world_size, inp.batch_size, max(1, inp.micro_batches), fc_workers
     C = n - F
     m = -(-C // F)
+    if inp.conv_fwd_mb_s > 0 or inp.conv_bwd_mb_s > 0:  # measured per micro-batch: the schedule itself
+        return _hourglass_scheduled(inp, F)
     stages = {"conv_s": (b * inp.t_conv + b * inp.codec_s / 2) / M,
               "wire_in_s": m * b * inp.act_bytes / inp.beta / M,
               "fc_s": m * b * (inp.t_fc + inp.codec_s / 2) / M,
@@ -251,6 +266,132 @@ def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
             "conv_exchange_s": ex_c["exchange_s"], "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c,
             "fc_exchange": ex_f, "update_conv_s": sa * inp.t_update_conv, "update_fc_s": sa * inp.t_update_fc,
             "update_and_exchange_s": after, "step_s": t, "examples_per_step": C * b,
+            "throughput": C * b / t if t > 0 else float("inf")}
+
+
+def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float, float] = (0.0, 0.0),
+                      fc_post: Tuple[float, float] = (0.0, 0.0)) -> dict:
+    """The Hourglass step as the GPipe-style schedule of ``hgsgc.hourglass.step`` runs it, simulated
+    event by event on the stages measured per micro-batch (``inp.conv_fwd_mb_s``,
+    ``conv_bwd_mb_s``, ``fc_call_s``, ``fc_row_s``), with the CPU shared by processor sharing.
+
+    ``C = n - F`` CONV ranks (world ranks ``0 .. C-1``, alike, so one stands for all), ``F`` FC
+    ranks each serving ``m = ceil(C / F)``; micro-batch ``j`` has ``r_j`` rows (the split of
+    :func:`hgsgc.hourglass.costmodel.micro_batch_bounds`). Four resources run their tasks in order:
+
+    * CONV rank (CPU): ``f_1 .. f_M``, then ``g_1 .. g_M``, then ``conv_post``; forward
+      ``f_j = conv_fwd_mb_s r_j M / b + r_j c / 4`` (+ encoding), backward
+      ``g_j = conv_bwd_mb_s r_j M / b + r_j c / 4`` (+ decoding), ``g_j`` waits for ``o_j``;
+    * the FC rank's incoming link: ``i_j = alpha + m r_j act / beta`` after ``f_j``;
+    * FC rank (CPU): ``h_j = fc_call_s + m r_j (fc_row_s + c / 2)`` after ``i_j``, then ``fc_post``;
+    * the FC rank's outgoing link: ``o_j = alpha + m r_j grad / beta`` after ``h_j``;
+
+    ``conv_post`` / ``fc_post`` = ``(CPU seconds, wait seconds)`` after the role's last compute
+    task: the update + compression (CPU), then the exchange's wire + coordination (no CPU). The
+    step ends when both roles are done. CPU tasks progress at the rate ``1 / max over machines m
+    holding the role's ranks of max(1, u busy_m / P_m)``, with ``busy_m`` the ranks of ``m`` whose
+    role is in a CPU task at that moment (the :func:`cpu_share` assumptions: fair,
+    work-conserving, waiting ranks use no CPU); links and waits progress at rate 1. Without
+    ``machine_of`` every rate is 1 and the step is the longest path of the schedule's
+    dependency graph.
+
+    Returns:
+        ``{"step_s", "conv_done_s" (end of the last backward), "fc_done_s" (end of the last
+        head), "stages_per_micro_batch_s" (micro-batch 0's f, i, h, o, g), "busy_s" {conv, fc:
+        CPU seconds of wall time in tasks}, "fc_idle_s" (FC rank's wall time not in a CPU task)}``.
+
+    Raises:
+        ValueError: ``fc_workers`` outside ``1 .. n - 1``.
+    """
+    import numpy as np
+
+    n, b, M, F = int(inp.world_size), int(inp.batch_size), max(1, int(inp.micro_batches)), int(fc_workers)
+    if not 1 <= F <= n - 1:
+        raise ValueError(f"pipeline_schedule: fc_workers={fc_workers} must be in 1..{n - 1} for {n} ranks")
+    C = n - F
+    m = -(-C // F)
+    edges = np.linspace(0, b, M + 1).astype(int)
+    rows = [int(hi - lo) for lo, hi in zip(edges[:-1], edges[1:])]
+    c = inp.codec_s
+    tasks = {"conv": [], "in": [], "fc": [], "out": []}
+    for j, r in enumerate(rows):
+        tasks["conv"].append((f"f{j}", "cpu", inp.conv_fwd_mb_s * r * M / b + r * c / 4, None))
+        tasks["in"].append((f"i{j}", "wait", inp.alpha + m * r * inp.act_bytes / inp.beta, f"f{j}"))
+        tasks["fc"].append((f"h{j}", "cpu", inp.fc_call_s + m * r * (inp.fc_row_s + c / 2), f"i{j}"))
+        tasks["out"].append((f"o{j}", "wait", inp.alpha + m * r * inp.grad_bytes / inp.beta, f"h{j}"))
+    for j, r in enumerate(rows):
+        tasks["conv"].append((f"g{j}", "cpu", inp.conv_bwd_mb_s * r * M / b + r * c / 4, f"o{j}"))
+    tasks["conv"] += [("conv_post_cpu", "cpu", float(conv_post[0]), None),
+                      ("conv_post_wait", "wait", float(conv_post[1]), None)]
+    tasks["fc"] += [("fc_post_cpu", "cpu", float(fc_post[0]), None),
+                    ("fc_post_wait", "wait", float(fc_post[1]), None)]
+    role_ranks = {"conv": range(C), "fc": range(C, n)}
+
+    def rate(role, cpu_roles):
+        if not inp.machine_of:
+            return 1.0
+        busy = {}
+        for ro in cpu_roles:
+            for r in role_ranks[ro]:
+                busy[inp.machine_of[r]] = busy.get(inp.machine_of[r], 0) + 1
+        f = max(max(1.0, inp.cpu_parallelism * busy[inp.machine_of[r]] / inp.machine_cores[inp.machine_of[r]])
+                for r in role_ranks[role])
+        return 1.0 / f
+
+    idx = {a: 0 for a in tasks}
+    rem = {a: None for a in tasks}
+    done, busy_s, t = {}, {"conv": 0.0, "fc": 0.0}, 0.0
+    while any(idx[a] < len(tasks[a]) for a in tasks):
+        active = []
+        for a, lst in tasks.items():
+            if idx[a] < len(lst) and (lst[idx[a]][3] is None or lst[idx[a]][3] in done):
+                if rem[a] is None:
+                    rem[a] = max(0.0, float(lst[idx[a]][2]))
+                active.append(a)
+        if not active:  # pragma: no cover - the dependency graph above has no cycle
+            raise RuntimeError("pipeline_schedule: no task can run (dependency cycle)")
+        cpu_roles = {a for a in active if tasks[a][idx[a]][1] == "cpu"}
+        rates = {a: rate(a, cpu_roles) if a in cpu_roles else 1.0 for a in active}
+        dt = min(rem[a] / rates[a] for a in active)
+        t += dt
+        for a in active:
+            if a in cpu_roles:
+                busy_s[a] += dt
+            if rem[a] / rates[a] <= dt * (1 + 1e-12):
+                done[tasks[a][idx[a]][0]] = t
+                idx[a] += 1
+                rem[a] = None
+            else:
+                rem[a] -= rates[a] * dt
+    first = {name[0]: amount for name, _, amount, _ in
+             (tasks["conv"][0], tasks["in"][0], tasks["fc"][0], tasks["out"][0], tasks["conv"][M])}
+    return {"step_s": t, "conv_done_s": done[f"g{M - 1}"], "fc_done_s": done[f"h{M - 1}"],
+            "stages_per_micro_batch_s": {"conv_fwd_s": first["f"], "wire_in_s": first["i"], "fc_s": first["h"],
+                                         "wire_out_s": first["o"], "conv_bwd_s": first["g"]},
+            "busy_s": busy_s, "fc_idle_s": t - busy_s["fc"]}
+
+
+def _hourglass_scheduled(inp: LayoutInputs, F: int) -> dict:
+    """:func:`predict_hourglass` from the stages measured per micro-batch: :func:`pipeline_schedule`
+    with each role's update + compression (CPU, shared) and exchange wire + coordination after
+    its last compute task."""
+    n, b = inp.world_size, inp.batch_size
+    C = n - F
+    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
+    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
+    sch = pipeline_schedule(
+        inp, F, conv_post=(inp.t_update_conv + ex_c["compression_s"], ex_c["wire_s"] + ex_c["coordination_s"]),
+        fc_post=(inp.t_update_fc + ex_f["compression_s"], ex_f["wire_s"] + ex_f["coordination_s"]))
+    t = sch["step_s"]
+    share = {"conv_stage": cpu_share(inp, range(C)), "fc_stage": cpu_share(inp, range(C, n)),
+             "all": cpu_share(inp, range(n))}
+    return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": -(-C // F),
+            "model": "pipeline_schedule", "schedule": sch,
+            "stages_per_micro_batch_s": sch["stages_per_micro_batch_s"], "cpu_share": share,
+            "pipeline_s": sch["conv_done_s"], "conv_exchange_s": ex_c["exchange_s"],
+            "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c, "fc_exchange": ex_f,
+            "update_conv_s": inp.t_update_conv, "update_fc_s": inp.t_update_fc,
+            "update_and_exchange_s": t - sch["conv_done_s"], "step_s": t, "examples_per_step": C * b,
             "throughput": C * b / t if t > 0 else float("inf")}
 
 
@@ -299,6 +440,10 @@ def format_layout_report(report: dict) -> str:
              f"beta {i['beta'] * 8 / 1e6:.1f} Mbit/s, payload DP {i['dp_payload']:.0f} B ({i['dp_algorithm']}, "
              f"H {i['delay']}), CONV {i['conv_payload']:.0f} B, FC {i['fc_payload']:.0f} B ({i['fc_algorithm']}), "
              f"M {i['micro_batches']}, Horovod cycle {i.get('cycle_s', 0.0) * 1e3:g} ms"]
+    if i.get("conv_fwd_mb_s", 0.0) > 0 or i.get("conv_bwd_mb_s", 0.0) > 0:
+        lines.append(f"layout auto: Hourglass stages as the pipeline runs them, alone: trunk per micro-batch "
+                     f"fwd {i['conv_fwd_mb_s'] * 1e3:.2f} ms + bwd {i['conv_bwd_mb_s'] * 1e3:.2f} ms, FC rank per "
+                     f"micro-batch {i['fc_call_s'] * 1e3:.2f} ms + {i['fc_row_s'] * 1e6:.1f} us/example")
     if "dp_compression_s" in i:
         mo = i.get("machine_of") or []
         lines.append(f"layout auto: measured alone: compression DP {i['dp_compression_s'] * 1e3:.2f} ms, "
@@ -316,10 +461,19 @@ def format_layout_report(report: dict) -> str:
         else:
             parts = (f"pipeline {p['pipeline_s'] * 1e3:.2f} ms, update+exchange {p['update_and_exchange_s'] * 1e3:.2f} ms "
                      f"(CONV compression {p['conv_exchange']['compression_s'] * 1e3:.2f} ms)")
+            if p.get("model") == "pipeline_schedule":
+                st = p["stages_per_micro_batch_s"]
+                parts += (f"; scheduled per micro-batch: trunk fwd {st['conv_fwd_s'] * 1e3:.2f} + bwd "
+                          f"{st['conv_bwd_s'] * 1e3:.2f} ms, head {st['fc_s'] * 1e3:.2f} ms, wire "
+                          f"{st['wire_in_s'] * 1e3:.2f} + {st['wire_out_s'] * 1e3:.2f} ms, FC idle "
+                          f"{p['schedule']['fc_idle_s'] * 1e3:.2f} ms")
         lines.append(f"  {name}: step {p['step_s'] * 1e3:.2f} ms for {p['examples_per_step']} examples, "
                      f"{p['throughput']:.0f} examples/s ({parts}; CPU share {sh or '1'})")
     c = report["choice"]
-    lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else ""))
+    if report.get("setting") == "fc_workers=auto":
+        lines.append(f"hourglass.fc_workers auto -> {c['fc_workers']} FC ranks (the fastest Hourglass candidate)")
+    else:
+        lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else ""))
     return "\n".join(lines)
 
 

@@ -134,8 +134,14 @@ def test_layout_auto_measures_compression_update_and_share(result):
     assert json.loads(json.dumps(again["predictions"])) == rep["predictions"]
     assert (rep["layout"], rep["fc_workers"]) == (again["layout"], again["fc_workers"])
     hg = rep["predictions"][1]
+    # the Hourglass is predicted by the schedule of the stages measured per micro-batch, which
+    # shares the CPU itself: the compression enters unscaled (perfmodel.pipeline_schedule)
+    assert hg["model"] == "pipeline_schedule"
     assert hg["conv_exchange"]["compression_s"] == pytest.approx(
-        hg["cpu_share"]["all"] * pm.compression_at(cost["conv"], 2, i["conv_algorithm"]), rel=1e-12)
+        pm.compression_at(cost["conv"], 2, i["conv_algorithm"]), rel=1e-12)
+    for key in ("conv_fwd_mb_s", "conv_bwd_mb_s", "fc_call_s", "fc_row_s"):
+        assert i[key] == sorted(p[key] for p in per_rank)[1], key                  # median of 3 ranks
+    assert i["conv_fwd_mb_s"] > 0 and i["conv_bwd_mb_s"] > 0 and i["fc_call_s"] + i["fc_row_s"] > 0
 
 
 @pytest.mark.mpi
@@ -148,11 +154,24 @@ def test_run_writes_the_probe_to_summary(result):
     assert s["hourglass"]["fc_workers_setting"] == "auto" and s["hourglass"]["fc_workers"] == cm["fc_workers"] == 1
     lk = cm["link"]
     assert lk["source"] == "probe" and lk["alpha_s"] > 0 and lk["beta_Bps"] > 0 and len(lk["pairs"]) == 1
-    assert cm["inputs"]["alpha"] == lk["alpha_s"] and cm["inputs"]["bandwidth"] == lk["beta_Bps"]
+    assert cm["inputs"]["alpha"] == lk["alpha_s"] and cm["inputs"]["beta"] == lk["beta_Bps"]
     assert result["ranks"][0]["run"]["cost_model"] == cm               # what run() returned
+    # fc_workers: auto measures and predicts as layout: auto does (compression, updates, CPU
+    # share, the stages per micro-batch), choosing among the Hourglass candidates only
+    from hgsgc import perfmodel as pm
+
+    assert cm["setting"] == "fc_workers=auto" and cm["layout"] == "hourglass"
+    assert [p["layout"] for p in cm["predictions"]] == ["data_parallel", "hourglass"]
+    assert cm["choice"] == cm["predictions"][1] and cm["choice"]["model"] == "pipeline_schedule"
+    i = cm["inputs"]
+    assert i["conv_fwd_mb_s"] > 0 and i["t_update_conv"] > 0 and i["machine_of"] == [0, 0]
+    inp = pm.LayoutInputs(**i)
+    cc = cm["measured"]["compression_cost"]
+    again = pm.predict_hourglass(pm.with_role_compression(inp, 1, cc["conv"], cc["fc"]), 1)
+    assert json.loads(json.dumps(again)) == cm["choice"]
     log = "\n".join(result["ranks"][0]["run"]["log"])
     assert f"alpha {lk['alpha_s'] * 1e6:.1f} us, beta {lk['beta_Bps'] * 8 / 1e6:.1f} Mbit/s" in log
-    assert "ping-pong probe rank 0 <-> 1 ranks" in log and "fc_workers=auto -> 1 FC ranks" in log
+    assert "ping-pong probe rank 0 <-> 1 ranks" in log and "hourglass.fc_workers auto -> 1 FC ranks" in log
 
 
 @pytest.mark.mpi

@@ -105,6 +105,128 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro
             "density": float(np.count_nonzero(a)) / a.size}
 
 
+def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_per_fc: int,
+                            repeats: int = 3) -> dict:
+    """This rank's Hourglass stages as the pipeline of :class:`~hgsgc.hourglass.step.HourglassTrainer`
+    runs them, without communication (inputs of :func:`hgsgc.perfmodel.pipeline_schedule`).
+
+    CONV side: one ``tf.function`` built like the trainer's CONV step, on the micro-batches of
+    :func:`~hgsgc.hourglass.costmodel.micro_batch_bounds` ``(b, M)``: every micro-batch's trunk
+    forward under one persistent tape, each followed by a ``tf.numpy_function`` crossing (the
+    send's place), then every micro-batch's backward with fixed activation gradients fetched by a
+    ``tf.numpy_function`` (the receive's place) and the gradients summed; and the same function
+    with the forwards only. ``conv_fwd_mb_s`` = forwards-only time / ``M``, ``conv_bwd_mb_s`` =
+    (whole time - forwards-only time) / ``M`` (>= 0).
+
+    FC side: the FC rank's work on one micro-batch from ``k`` CONV ranks of ``r = b / M`` rows
+    each, as ``_fc_step`` does it minus MPI and the codec: concatenate ``k`` arrays, convert to a
+    tensor, the head's forward + backward (sum of sparse cross-entropy) in a ``tf.function`` with
+    the trainer's input signature, ``dA`` back to NumPy and split into ``k`` parts; timed for
+    ``k = 1`` and ``k = K = max(2, max_convs_per_fc)``, fitted as ``fc_call_s + rows fc_row_s``
+    (``fc_row_s = (t_K - t_1) / ((K - 1) r)``, ``fc_call_s = t_1 - r fc_row_s``, both >= 0).
+
+    Each: one warm-up call (tracing), then the median of ``repeats`` timed calls.
+
+    Args:
+        split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one training batch ``[b, ...]``.
+        micro_batches: ``M``, 1 .. b. max_convs_per_fc: the most CONV ranks one FC rank serves
+            among the candidates (``n - 1`` for ``F = 1``).
+
+    Returns:
+        ``{"conv_fwd_mb_s", "conv_bwd_mb_s", "fc_call_s", "fc_row_s"}`` (seconds; per example for
+        ``fc_row_s``).
+    """
+    import time
+
+    import tensorflow as tf
+
+    from hgsgc.hourglass.costmodel import median_seconds, micro_batch_bounds
+
+    trunk, head = split.trunk, split.head
+    b = len(x)
+    chunks = micro_batch_bounds(b, micro_batches)
+    M = len(chunks)
+    xt = tf.constant(x)
+    a_full = trunk(xt, training=False).numpy()
+    rng = np.random.default_rng(0)
+    dA = [rng.standard_normal(a_full[lo:hi].shape).astype(a_full.dtype) * 1e-3 for lo, hi in chunks]
+    variables = trunk.trainable_variables
+
+    def send(a, j):  # the send's place: a crossing into Python that touches the activations
+        return np.int32(np.asarray(a).shape[0] + int(j) * 0)
+
+    def recv(j):
+        return dA[int(j)]
+
+    def conv_step(x_, backward: bool):
+        tok = tf.constant(0)
+        acts = []
+        with tf.GradientTape(persistent=M > 1) as tape:
+            for j, (lo, hi) in enumerate(chunks):
+                with tf.control_dependencies([tok]):
+                    xj = tf.identity(x_[lo:hi])
+                a = trunk(xj, training=True)
+                tok = tf.numpy_function(send, [a, tf.constant(j)], tf.int32, stateful=True)
+                acts.append(a)
+        if not backward:
+            return [tf.cast(tok, tf.float32)]
+        grads = None
+        for j, a in enumerate(acts):
+            with tf.control_dependencies([tok]):
+                g_a = tf.numpy_function(recv, [tf.constant(j)], a.dtype, stateful=True)
+            g_a = tf.ensure_shape(g_a, a.shape)
+            gj = tape.gradient(a, variables, output_gradients=g_a)
+            grads = gj if grads is None else [u + v for u, v in zip(grads, gj)]
+            tok = tf.reduce_sum(grads[0]) if M > 1 else tok
+        return grads
+
+    fwd = tf.function(lambda x_: conv_step(x_, False))
+    whole = tf.function(lambda x_: conv_step(x_, True))
+    t_fwd = median_seconds(fwd, (xt,), repeats)
+    t_whole = median_seconds(whole, (xt,), repeats)
+
+    a_shape = tuple(int(d) for d in split.boundary_shape)
+    spec_a = tf.TensorSpec((None,) + a_shape, tf.float32)
+    spec_y = tf.TensorSpec((None,), tf.int32)
+    n_out = int(head.outputs[0].shape[-1])
+
+    @tf.function(input_signature=[spec_a, spec_y])
+    def fc_grads(a, y):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            s = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
+                y, head(a, training=True), from_logits=True))
+        g = tape.gradient(s, head.trainable_variables + [a])
+        return s, g[-1], g[:-1]
+
+    lo, hi = chunks[0]
+    r = hi - lo
+    part = a_full[lo:hi].reshape(r, -1)
+    labels = rng.integers(0, n_out, r).astype(np.int32)
+
+    def fc_micro_batch(k):
+        a = np.concatenate([part] * k).reshape((-1,) + a_shape)
+        y = np.concatenate([labels] * k)
+        s, g_a, g = fc_grads(tf.constant(a), tf.constant(y))
+        g_a = g_a.numpy().reshape(k * r, -1)
+        return [g_a[i * r:(i + 1) * r] for i in range(k)], float(s)
+
+    def timed(k):
+        fc_micro_batch(k)
+        ts = []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            fc_micro_batch(k)
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+
+    K = max(2, int(max_convs_per_fc))
+    t1, tK = timed(1), timed(K)
+    row = max(0.0, (tK - t1) / ((K - 1) * r))
+    return {"conv_fwd_mb_s": t_fwd / M, "conv_bwd_mb_s": max(0.0, t_whole - t_fwd) / M,
+            "fc_call_s": max(0.0, t1 - r * row), "fc_row_s": row}
+
+
 def measure_compression_and_update(conv_shapes, fc_shapes, compression, fc_compression,
                                    momentum: float, repeats: int = 3) -> dict:
     """This rank's compression and update costs, measured as ``hgsgc plan`` measures them.
@@ -160,7 +282,7 @@ def _median_measurements(items) -> dict:
     return out
 
 
-def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
+def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: bool = False) -> dict:
     """Measure on every rank, predict, decide on rank 0, broadcast; collective over ``comm``.
 
     A Horovod left initialised by an earlier run in this process is shut down first (on every
@@ -171,6 +293,11 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     ``n`` ranks; the CONV / FC compression per ``F`` by
     :func:`hgsgc.perfmodel.with_role_compression`, in each prediction's ``conv_exchange`` /
     ``fc_exchange``) and calls :func:`hgsgc.perfmodel.choose_layout`.
+
+    ``hourglass_only`` (``hourglass.fc_workers: auto`` under ``layout: hourglass``): the same
+    measurement and predictions, but the choice is the fastest Hourglass ``F`` (ties: fewer FC
+    ranks); the data-parallel prediction stays in ``predictions`` for reference, ``"setting":
+    "fc_workers=auto"``.
 
     Returns (every rank): ``{"layout": "data_parallel" | "hourglass", "fc_workers": F or None,
     "inputs": {...}, "predictions": [...], "choice": {...}, "measured": {...}, "link": {...}}``.
@@ -205,6 +332,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
     def measure_me():
         act_codec, grad_codec = configured_codecs(h)
         m = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches))
+        m.update(measure_pipeline_stages(split, x, int(h.micro_batches), comm.Get_size() - 1))
         m.update(measure_compression_and_update(conv_shapes, fc_shapes, cc, fcc, float(cfg.train.momentum)))
         return m
 
@@ -233,9 +361,18 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
             dp_compression_s=perfmodel.compression_at(cost["dp"], n, perfmodel.algorithm_of(cc)),
             t_update_conv=meas["update_conv_s"], t_update_fc=meas["update_fc_s"],
             machine_of=tuple(machines["machine_of"]), machine_cores=tuple(machines["machine_cores"]),
-            cpu_parallelism=meas["cpu_parallelism"])
+            cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
+            conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"])
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]))
+        report["setting"] = "layout=auto"
+        if hourglass_only:
+            best = None
+            for p in report["predictions"][1:]:
+                if best is None or p["throughput"] > best["throughput"] * (1 + 1e-9):
+                    best = p
+            report.update(layout="hourglass", fc_workers=best["fc_workers"], choice=best,
+                          setting="fc_workers=auto")
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
                               "compression_cost": cost, "machines": machines,
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
@@ -243,7 +380,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None) -> dict:
         report["link"] = link
     report = comm.bcast(report, root=0)
     if log is not None and comm.Get_rank() == 0:
-        log(perfmodel.format_layout_report(report))
+        from hgsgc.hourglass.costmodel import describe_link
+
+        log(perfmodel.format_layout_report(report) + f"\nlink: {describe_link(link)}")
     return report
 
 

@@ -257,8 +257,6 @@ def run(cfg, log=print) -> dict:
     from hgsgc.tasks import make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
-    from hgsgc.hourglass.costmodel import configured_codecs, link_inputs, measure_costs
-    from hgsgc.perfmodel import horovod_cycle_s
     from hgsgc.hourglass.layout import Layout
     from hgsgc.hourglass.split import split_model
     from hgsgc.hourglass.step import HourglassTrainer
@@ -274,15 +272,21 @@ def run(cfg, log=print) -> dict:
     split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
     b = cfg.train.batch_size
 
-    cost = link = None
-    if cfg.hourglass.fc_workers == "auto":
-        act_codec, grad_codec = configured_codecs(cfg.hourglass)
-        cost = lambda: measure_costs(split, b, compression, fc_compression,  # noqa: E731
-                                     act_codec=act_codec, grad_codec=grad_codec,
-                                     micro_batches=cfg.hourglass.micro_batches, cycle_s=horovod_cycle_s())
-        # the link: the ping-pong probe layout: auto uses too, or the explicit config override
-        link = lambda: link_inputs(world, cfg.hourglass.link_bandwidth_mbps)  # noqa: E731
-    layout = Layout(world, cfg.hourglass.fc_workers, cost=cost, link=link, log=log if is_root else None)
+    fc_workers, auto_report = cfg.hourglass.fc_workers, None
+    if fc_workers == "auto":
+        # the measurement and model of layout: auto (compute, codec, pipeline stages per
+        # micro-batch, compression, updates, CPU share, the link probe), among the Hourglass
+        # candidates only (hgsgc.hourglass.auto.choose(hourglass_only=True)), on the first
+        # training batch of epoch 0 as layout: auto measures it
+        from hgsgc.hourglass.auto import choose
+
+        first, _ = task.train_data(0, 1, 0)
+        xb = np.asarray(next(iter(first))[0], dtype=np.float32)[:b]
+        auto_report = choose(world, split, xb, cfg, log=log if is_root else None, hourglass_only=True)
+        fc_workers = int(auto_report["fc_workers"])
+    layout = Layout(world, fc_workers, log=log if is_root else None)
+    if auto_report is not None:
+        layout.cost_report = auto_report
     C, F = layout.n_conv, layout.n_fc
     _, steps_per_epoch = task.train_data(0, C, 0)
     if steps_per_epoch < 1:
