@@ -141,7 +141,7 @@ def test_layout_auto_measures_compression_update_and_share(result):
         pm.compression_at(cost["conv"], 2, i["conv_algorithm"]), rel=1e-12)
     for key in ("conv_fwd_mb_s", "conv_bwd_mb_s", "fc_call_s", "fc_row_s"):
         assert i[key] == sorted(p[key] for p in per_rank)[1], key                  # median of 3 ranks
-    assert i["conv_fwd_mb_s"] > 0 and i["conv_bwd_mb_s"] > 0 and i["fc_call_s"] + i["fc_row_s"] > 0
+    assert i["conv_fwd_mb_s"] > 0 and i["conv_bwd_mb_s"] >= 0 and i["fc_call_s"] + i["fc_row_s"] > 0
 
 
 @pytest.mark.mpi

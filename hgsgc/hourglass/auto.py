@@ -115,8 +115,10 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
     forward under one persistent tape, each followed by a ``tf.numpy_function`` crossing (the
     send's place), then every micro-batch's backward with fixed activation gradients fetched by a
     ``tf.numpy_function`` (the receive's place) and the gradients summed; and the same function
-    with the forwards only. ``conv_fwd_mb_s`` = forwards-only time / ``M``, ``conv_bwd_mb_s`` =
-    (whole time - forwards-only time) / ``M`` (>= 0).
+    with the forwards only, called in adjacent pairs (forwards-only, then whole) so that both see
+    the same load: ``conv_fwd_mb_s`` = median forwards-only time / ``M``, ``conv_bwd_mb_s`` =
+    median over the pairs of (whole - forwards-only) / ``M`` (floored at 0: on a loaded machine
+    a pair's difference can be noise-dominated for a tiny trunk).
 
     FC side: the FC rank's work on one micro-batch from ``k`` CONV ranks of ``r = b / M`` rows
     each, as ``_fc_step`` does it minus MPI and the codec: concatenate ``k`` arrays, convert to a
@@ -125,7 +127,7 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
     ``k = 1`` and ``k = K = max(2, max_convs_per_fc)``, fitted as ``fc_call_s + rows fc_row_s``
     (``fc_row_s = (t_K - t_1) / ((K - 1) r)``, ``fc_call_s = t_1 - r fc_row_s``, both >= 0).
 
-    Each: one warm-up call (tracing), then the median of ``repeats`` timed calls.
+    Each: one warm-up call (tracing), then ``repeats`` timed calls (medians).
 
     Args:
         split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one training batch ``[b, ...]``.
@@ -140,7 +142,7 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
 
     import tensorflow as tf
 
-    from hgsgc.hourglass.costmodel import median_seconds, micro_batch_bounds
+    from hgsgc.hourglass.costmodel import micro_batch_bounds
 
     trunk, head = split.trunk, split.head
     b = len(x)
@@ -182,8 +184,16 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
 
     fwd = tf.function(lambda x_: conv_step(x_, False))
     whole = tf.function(lambda x_: conv_step(x_, True))
-    t_fwd = median_seconds(fwd, (xt,), repeats)
-    t_whole = median_seconds(whole, (xt,), repeats)
+
+    def once(fn):
+        t0 = time.perf_counter()
+        float(tf.reduce_sum(fn(xt)[0]))
+        return time.perf_counter() - t0
+
+    once(fwd), once(whole)  # tracing
+    pairs = [(once(fwd), once(whole)) for _ in range(max(1, repeats))]  # adjacent in time: alike load
+    t_fwd = float(np.median([p[0] for p in pairs]))
+    t_bwd = float(np.median([p[1] - p[0] for p in pairs]))
 
     a_shape = tuple(int(d) for d in split.boundary_shape)
     spec_a = tf.TensorSpec((None,) + a_shape, tf.float32)
@@ -223,7 +233,7 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
     K = max(2, int(max_convs_per_fc))
     t1, tK = timed(1), timed(K)
     row = max(0.0, (tK - t1) / ((K - 1) * r))
-    return {"conv_fwd_mb_s": t_fwd / M, "conv_bwd_mb_s": max(0.0, t_whole - t_fwd) / M,
+    return {"conv_fwd_mb_s": t_fwd / M, "conv_bwd_mb_s": max(0.0, t_bwd) / M,
             "fc_call_s": max(0.0, t1 - r * row), "fc_row_s": row}
 
 

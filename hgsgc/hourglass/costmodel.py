@@ -1,5 +1,12 @@
 """``hourglass.fc_workers: auto``: how many FC ranks, by the project's one performance model.
 
+``hgsgc train`` with ``hourglass.fc_workers: auto`` measures and predicts as ``layout: auto``
+does (:func:`hgsgc.hourglass.auto.choose` with ``hourglass_only=True``: compression, updates,
+CPU share and the stages per micro-batch, then :func:`hgsgc.perfmodel.pipeline_schedule`). This
+module keeps the lower-level path of :class:`~hgsgc.hourglass.layout.Layout` ``(comm, "auto",
+cost=...)`` called directly (the closed form of :func:`hgsgc.perfmodel.predict_hourglass` on
+:class:`CostInputs`), and the pieces both paths share (the link probe, boundary bytes, codecs).
+
 Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field medians:
 
 * ``t_conv``, ``t_fc``: seconds per example of the trunk's and of the head's forward + backward
