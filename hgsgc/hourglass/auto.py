@@ -318,8 +318,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     from hgsgc import perfmodel
     from hgsgc.compression import as_compression
     from hgsgc.compression.codec import exchange_payload_bytes
-    from hgsgc.config import compression_from_config
-    from hgsgc.hourglass.train import fc_compression_from_config
+    from hgsgc.config import compression_from_config, fc_compression_from_config
 
     from hgsgc.hourglass.costmodel import configured_codecs
 
