@@ -74,7 +74,7 @@ def _emulated():
 
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
-             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "pin",
+             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "gpu_reference", "pin",
              "full_epoch_steps", "time_to_target")
 DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides", "curve_run")
@@ -164,8 +164,11 @@ def load_spec(path_or_dict) -> dict:
             raise SpecError(f"spec: duplicate method name {m['name']!r}")
         cr = m.get("curve_run")
         if cr is not None and (not isinstance(cr, str) or not cr):
-            raise SpecError(f"spec: methods[{i}] ({m['name']}).curve_run must be a run directory or 'none', got {cr!r}")
-        if cr not in (None, "none") and not os.path.exists(os.path.join(cr, "metrics.jsonl")):
+            raise SpecError(f"spec: methods[{i}] ({m['name']}).curve_run must be a run directory, a results "
+                            f"JSON or 'none', got {cr!r}")
+        if cr is not None and cr.endswith(".json"):
+            _stored_curve(cr, m["name"], lambda msg: SpecError(f"spec: methods[{i}] ({m['name']}).curve_run: {msg}"))
+        elif cr not in (None, "none") and not os.path.exists(os.path.join(cr, "metrics.jsonl")):
             raise SpecError(f"spec: methods[{i}] ({m['name']}).curve_run: no metrics.jsonl in {cr} (give a finished "
                             f"run directory of 'hgsgc train', or 'none' for a method without a curve)")
         if not os.path.exists(m["config"]):
@@ -193,6 +196,11 @@ def load_spec(path_or_dict) -> dict:
                 or not spec.get("gpu_source") or not spec["compute_only"]:
             raise SpecError("spec: dilation: gpu needs compute_only, gpu_step_ms: {method: ms > 0} "
                             "(a GPU's step for the same model and batch) and gpu_source: where that figure comes from")
+        ref = spec.get("gpu_reference")
+        if ref is not None and (ref not in g or ref not in names
+                                or (isinstance(spec["compute_only"], list) and ref not in spec["compute_only"])):
+            raise SpecError(f"spec: gpu_reference must name a method of gpu_step_ms that is in compute_only (its "
+                            f"factor is every method's), got {ref!r}")
     for key in ("compute_only", "compute_only_shared"):
         v = spec[key]
         if isinstance(v, list):
@@ -390,14 +398,19 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
 
     ``cpu_share``: ``f`` = the method's compute-only step alone / with ``hosts`` processes at once
     (the CPU share each emulated host gets on this machine; 1 host: 1). ``gpu``: ``f`` =
-    ``gpu_step_ms[method]`` / the compute-only step alone (a GPU host, tens of times faster).
+    ``gpu_step_ms[method]`` / this machine's compute-only step of the method as the cell's ranks
+    get it: with ``hosts`` processes at once (``compute_only_shared``) when that was measured, else
+    alone (a GPU host, tens of times faster; with the shared step ``f`` is the GPU factor times the
+    CPU share). With ``gpu_reference: R`` every method gets R's factor: one emulated machine that
+    computes ``1/f`` times faster than this one for every method alike (its compression compute
+    included), every link at the same emulated rate.
     ``none``: None. A missing measurement gives None and the cell records why.
     """
     mode = spec.get("dilation", "none")
     if mode == "none":
         return None
     alone = results["compute_only"].get(method, {})
-    if alone.get("status") != "ok":
+    if alone.get("status") != "ok" and not (mode == "gpu" and spec.get("gpu_reference")):
         return None
     if mode == "cpu_share":
         if hosts == 1:
@@ -406,8 +419,17 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
         if shared.get("status") != "ok":
             return None
         return min(1.0, alone["mean_step_time_s"] / shared["mean_step_time_s"])
+    if spec.get("gpu_reference"):
+        method = spec["gpu_reference"]
+        alone = results["compute_only"].get(method, {})
+        if alone.get("status") != "ok":
+            return None
     g = (spec.get("gpu_step_ms") or {}).get(method)
-    return None if g is None else g / 1e3 / alone["mean_step_time_s"]
+    if g is None:
+        return None
+    shared = (results.get("compute_only_shared") or {}).get(f"{method}@{hosts}", {}) if hosts > 1 else {}
+    cpu = shared if shared.get("status") == "ok" else alone
+    return g / 1e3 / cpu["mean_step_time_s"]
 
 
 def dilated_rate(bandwidth: str, factor: float) -> str:
@@ -476,6 +498,8 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
         cell["iface_over_hgsgc"] = (cell["iface_tx_bytes_per_step_per_rank"] / hg) if hg else None
         if dilation is not None and cell.get("mean_step_time_s") is not None:
             cell["step_time_dilated_s"] = cell["mean_step_time_s"] * dilation
+            if cell.get("eval_time_s") is not None:  # the evaluation runs on the same dilated machine
+                cell["eval_time_dilated_s"] = cell["eval_time_s"] * dilation
         cell["status"] = "ok"
     except subprocess.TimeoutExpired:
         cell["error"] = f"timeout after {spec['timeout_s']} s"
@@ -607,6 +631,18 @@ def _given_curve(method: dict, spec: dict) -> Optional[dict]:
     if cr == "none":
         return {"method": method["name"], "run_id": None, "status": "none", "reused": False,
                 "error": "no curve (curve_run: none: no quality curve of this method exists)"}
+    if cr.endswith(".json"):
+        try:
+            stored = _stored_curve(cr, method["name"], ValueError)
+        except (OSError, ValueError) as exc:
+            return {"method": method["name"], "run_id": None, "status": "failed", "reused": True,
+                    "source": cr, "error": f"{type(exc).__name__}: {exc}"}
+        curve = stored["curve"]
+        if t.get("budget_epochs"):
+            curve = [p for p in curve if p["epoch"] <= t["budget_epochs"]]
+        return dict(stored, curve=curve, steps=curve[-1]["steps"] if curve else 0,
+                    final_value=curve[-1]["value"] if curve else None,
+                    source=f"{cr} (curves.{method['name']}, run {stored.get('run_id')})", reused=True)
     rec = {"method": method["name"], "run_id": os.path.basename(os.path.normpath(cr)), "source": cr,
            "status": "failed", "error": None, "reused": True, "hosts": t["curve_hosts"],
            "overrides": "as recorded in the run"}
@@ -614,6 +650,22 @@ def _given_curve(method: dict, spec: dict) -> Optional[dict]:
         rec.update(_curve_of_run(cr, t))
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+def _stored_curve(path: str, name: str, error) -> dict:
+    """The stored curve record ``curves[name]`` of a results JSON of ``hgsgc bench`` (``curve_run:
+    <results>.json``: the curves of another matrix of the same workload, e.g. a GPU-dilated matrix
+    reusing ``ptb_4h_ttt.json``'s loopback curves). ``error(msg)`` builds the exception raised when
+    the file is missing or has no ok curve of that name."""
+    if not os.path.exists(path):
+        raise error(f"{path} not found (a results JSON of hgsgc bench)")
+    with open(path) as f:
+        res = json.load(f)
+    rec = (res.get("curves") or {}).get(name)
+    if not rec or rec.get("status") != "ok" or not rec.get("curve"):
+        raise error(f"{path} has no ok curve of the method {name!r} (curves: "
+                    f"{', '.join(sorted(res.get('curves') or {})) or 'none'})")
     return rec
 
 

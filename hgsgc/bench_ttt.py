@@ -110,6 +110,8 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
         cells: emulated cells, each a dict with ``method``, ``hosts``, ``bandwidth``,
             ``bandwidth_mbit``, ``status`` ('ok' or not), ``mean_step_time_s`` and
             ``eval_time_s`` (seconds of ONE evaluation on that cell; see the module docstring).
+            A time-dilated cell's ``step_time_dilated_s`` / ``eval_time_dilated_s`` (the measured
+            times x the dilation factor: the emulated machine's clock) are used instead.
         reference: the method whose curve's last value defines the target.
         roles: method -> role ('dense', 'baseline', 'ours', 'other'): ``best_baseline`` of a cell
             group is the soonest of the dense and baseline methods that reach the target.
@@ -138,17 +140,21 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
     ref_final = curves[reference][-1]["value"]
     target = target_value(ref_final, mode, rel, abs_)
     group_eval = {}
+    def ev(c):  # one evaluation on the cell's clock (the emulated machine's in a dilated cell)
+        return c.get("eval_time_dilated_s", c.get("eval_time_s"))
+
     for c in cells:
-        if c.get("status") == "ok" and c.get("eval_time_s") is not None:
-            group_eval.setdefault((c["hosts"], c["bandwidth"]), []).append(c["eval_time_s"])
+        if c.get("status") == "ok" and ev(c) is not None:
+            group_eval.setdefault((c["hosts"], c["bandwidth"]), []).append(ev(c))
     rows = []
     for c in cells:
-        ok = c.get("status") == "ok" and c.get("eval_time_s") is not None
-        eval_s = (c.get("eval_time_s") if eval_time == "cell"
+        ok = c.get("status") == "ok" and ev(c) is not None
+        eval_s = (ev(c) if eval_time == "cell"
                   else _median(group_eval.get((c["hosts"], c["bandwidth"]), []))) if ok else None
         row = {"method": c["method"], "role": roles.get(c["method"], c.get("role", "other")),
                "hosts": c["hosts"], "bandwidth": c["bandwidth"], "bandwidth_mbit": c["bandwidth_mbit"],
-               "step_s": c.get("mean_step_time_s"), "eval_s": eval_s, "eval_measured_s": c.get("eval_time_s"),
+               "step_s": c.get("step_time_dilated_s", c.get("mean_step_time_s")), "eval_s": eval_s,
+               "eval_measured_s": ev(c),
                "load": c.get("load_before"), "epoch": None, "steps": None, "time_to_target_s": None,
                "final_value": None, "wallclock": [], "note": ""}
         curve = curves.get(c["method"])

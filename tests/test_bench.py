@@ -192,8 +192,18 @@ def test_dilation_factor_and_rate():
     assert bench.dilation_factor(spec, res, "m", 1) == 1.0
     assert bench.dilation_factor(spec, res, "m", 8) is None                   # not measured: no factor
     gpu = {"dilation": "gpu", "gpu_step_ms": {"m": 2.0}, "gpu_source": "x"}
-    assert bench.dilation_factor(gpu, res, "m", 4) == pytest.approx(0.04)     # 2 ms GPU vs 50 ms CPU
+    assert bench.dilation_factor(gpu, res, "m", 8) == pytest.approx(0.04)     # 2 ms GPU vs 50 ms CPU alone
     assert bench.dilation_factor({"dilation": "none"}, res, "m", 4) is None
+    # with the shared step measured, the GPU factor is over the CPU the cell's ranks get (200 ms)
+    assert bench.dilation_factor(gpu, res, "m", 4) == pytest.approx(0.01)
+    res["compute_only"]["n"] = {"status": "ok", "mean_step_time_s": 0.08}
+    assert bench.dilation_factor(dict(gpu, gpu_step_ms={"m": 8.0}), res, "m", 4) == pytest.approx(0.04)
+    # gpu_reference: every method gets the reference's factor (8 ms / 200 ms shared), measured or not
+    ref = dict(gpu, gpu_step_ms={"m": 8.0}, gpu_reference="m")
+    assert bench.dilation_factor(ref, res, "n", 4) == pytest.approx(0.04)
+    assert bench.dilation_factor(ref, res, "unmeasured", 4) == pytest.approx(0.04)
+    assert bench.dilation_factor(ref, res, "n", 2) == pytest.approx(0.16)     # no m@2: alone, 8 / 50
+    assert bench.dilation_factor(ref, {"compute_only": {}}, "n", 4) is None
     assert bench.dilated_rate("100mbit", 0.25) == "25000kbit"
     assert bench.dilated_rate("10mbit", 0.04) == "400kbit"
 
@@ -201,7 +211,9 @@ def test_dilation_factor_and_rate():
 @pytest.mark.parametrize("extra,needle", [({"dilation": "warp"}, "'dilation' must be one of"),
                                           ({"dilation": "cpu_share", "compute_only_shared": False},
                                            "cpu_share needs"),
-                                          ({"dilation": "gpu", "gpu_step_ms": {"a": 1}}, "gpu_source")])
+                                          ({"dilation": "gpu", "gpu_step_ms": {"a": 1}}, "gpu_source"),
+                                          ({"dilation": "gpu", "gpu_step_ms": {"a": 1}, "gpu_source": "s",
+                                            "gpu_reference": "b"}, "gpu_reference must name")])
 def test_dilation_spec_errors(extra, needle):
     spec = {"name": "d", "methods": [{"name": "a", "config": os.path.join(ROOT, "configs", "fashion_mnist.yaml")}],
             **extra}

@@ -259,3 +259,48 @@ def test_curve_run_reads_a_given_run_or_records_no_curve(tmp_path):
     assert "No curve (none exists for these methods; `curve_run: none` in the spec): `f`" in text
     with pytest.raises(bench.SpecError, match=r"curve_run: no metrics.jsonl in"):
         bench.load_spec(dict(base, methods=[dict(base["methods"][0], curve_run=str(tmp_path / "nope"))]))
+
+
+def test_dilated_cells_use_the_emulated_clock():
+    """A time-dilated cell's step and evaluation times x its factor (``step_time_dilated_s``,
+    ``eval_time_dilated_s``) are what the time to target charges; the measured ones are kept."""
+    curves = {m: bench_ttt.curve_from_epochs(e, "valid_perplexity") for m, e in EPOCHS.items()}
+    cells = [dict(_cell("fp16", "100mbit", 100.0, 20.0, 8.0), step_time_dilated_s=1.0, eval_time_dilated_s=0.4),
+             dict(_cell("sgc", "100mbit", 100.0, 0.5, 10.0), step_time_dilated_s=0.025, eval_time_dilated_s=0.5)]
+    rows = {r["method"]: r for r in bench_ttt.combine(curves, cells, "fp16", "min", rel=0.03, roles=ROLES,
+                                                      eval_time="cell")["rows"]}
+    # fp16 reaches 412 at epoch 3 (150 steps); sgc at epoch 2 (100 steps)
+    assert rows["fp16"]["time_to_target_s"] == pytest.approx(150 * 1.0 + 3 * 0.4)
+    assert rows["sgc"]["time_to_target_s"] == pytest.approx(100 * 0.025 + 2 * 0.5)
+    assert rows["sgc"]["step_s"] == 0.025 and rows["sgc"]["eval_measured_s"] == 0.5
+    med = {r["method"]: r for r in bench_ttt.combine(curves, cells, "fp16", "min", rel=0.03, roles=ROLES)["rows"]}
+    assert med["sgc"]["eval_s"] == pytest.approx(0.45)  # median of the dilated 0.4 and 0.5
+
+
+def test_curve_run_reads_the_curves_of_a_results_json(tmp_path):
+    """``curve_run: <results>.json`` takes ``curves[<method name>]`` of another matrix's results
+    (never runs anything), cut to ``budget_epochs``; a missing file or method is a spec error."""
+    import json
+
+    stored = {"curves": {"d": {"status": "ok", "run_id": "x-curve-d", "method": "d",
+                               "curve": [{"epoch": 1, "steps": 48, "value": 900.0},
+                                         {"epoch": 2, "steps": 96, "value": 500.0},
+                                         {"epoch": 3, "steps": 144, "value": 450.0}]},
+                         "bad": {"status": "failed", "error": "x"}}}
+    path = tmp_path / "res.json"
+    path.write_text(json.dumps(stored))
+    cfg = os.path.join(ROOT, "configs/ptb_lstm/dense.yaml")
+    base = {"name": "t", "runs_dir": str(tmp_path / "runs"),
+            "time_to_target": {"reference": "d", "budget_epochs": 2},
+            "methods": [{"name": "d", "config": cfg, "role": "dense", "curve_run": str(path)}]}
+    spec = bench.load_spec(base)
+    rec = bench.run_curve(spec["methods"][0], spec)
+    assert rec["status"] == "ok" and rec["reused"] is True and rec["steps"] == 96 and rec["final_value"] == 500.0
+    assert rec["curve"] == stored["curves"]["d"]["curve"][:2]
+    assert rec["source"] == f"{path} (curves.d, run x-curve-d)"
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(bench.SpecError, match=r"has no ok curve of the method 'bad'"):
+        bench.load_spec(dict(base, methods=[dict(base["methods"][0], name="bad")],
+                             time_to_target={"reference": "bad"}))
+    with pytest.raises(bench.SpecError, match=r"nope.json not found"):
+        bench.load_spec(dict(base, methods=[dict(base["methods"][0], curve_run=str(tmp_path / "nope.json"))]))
