@@ -786,7 +786,8 @@ def breakdown(c: dict, results: dict) -> dict:
     * ``compression_s``: that method's compute-only step minus Horovod dense's (both alone: the
       sparsify/quantize/error-feedback work; noisy when other jobs load the machine);
     * ``wire_s``: the busiest rank's bytes per step (hgsgc's count, one direction) x 1.05
-      framing (docs/cluster.md) at the link rate: the time the link needs at full speed;
+      framing (docs/cluster.md) at the link rate (a time-dilated cell's emulated rate: every
+      figure here is on this machine's clock): the time the link needs at full speed;
     * ``waiting_s``: the rest: synchronisation (ranks waiting for the slowest), the protocol's
       lost link rate (Open MPI's TCP put halving bidirectional exchanges, docs/cluster.md),
       Horovod's coordination cycle and latency of many small messages.
@@ -800,7 +801,9 @@ def breakdown(c: dict, results: dict) -> dict:
     dense = [co[m["method"]] for m in results["cells"] if m["role"] == "dense" and m["method"] in co]
     dense_step = min((d["mean_step_time_s"] for d in dense if d.get("status") == "ok"), default=None)
     compression = (own["mean_step_time_s"] - dense_step) if own.get("status") == "ok" and dense_step else None
-    wire = _busiest_link_bytes(c) * 1.05 * 8 / (c["bandwidth_mbit"] * 1e6)
+    # at the rate the link actually ran (a time-dilated cell's emulated rate), like the step
+    rate = _bw_mbit((c.get("dilation") or {}).get("emulated_rate") or c["bandwidth"])
+    wire = _busiest_link_bytes(c) * 1.05 * 8 / (rate * 1e6)
     step = c["mean_step_time_s"]
     basis = "shared" if cs else ("alone" if compute is not None else "not measured")
     return {"step_s": step, "compute_s": compute, "compute_basis": basis,

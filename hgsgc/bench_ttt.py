@@ -226,8 +226,17 @@ def markdown(results: dict) -> List[str]:
                "CPU-load noise)" if tt.get("eval_time") == "group_median" else "") + ". Then the end of epoch e is at "
            "`t(e) = s_e * t_step + e * t_eval` on that cell's clock, and the time to target is t(e*) for "
            "the first epoch e* whose v_e meets the target; \"not reached\" when no epoch of the budget does. "
-           "Ratios: the other's time / this method's time (> 1: this one is sooner).", "",
-           "### Curves (loopback)", ""]
+           "Ratios: the other's time / this method's time (> 1: this one is sooner).", ""]
+    if spec.get("dilation", "none") != "none":
+        fs = sorted({(c.get("dilation") or {}).get("factor") for c in results.get("cells", [])
+                     if (c.get("dilation") or {}).get("factor") is not None})
+        out += [f"**Time-dilated cells** (`dilation: {spec['dilation']}`"
+                + (f", GPU step {spec.get('gpu_step_ms')} ms, source: {spec.get('gpu_source')}"
+                   if spec["dilation"] == "gpu" else "")
+                + f"): each link ran at factor f x its nominal rate (f = {', '.join(f'{f:.4f}' for f in fs) or '-'}), "
+                "and t_step, t_eval above and below are the measured times x f, i.e. on the emulated "
+                "machine's clock (the cells' `step_time_dilated_s`, `eval_time_dilated_s`).", ""]
+    out += ["### Curves (loopback)", ""]
     names = [m["name"] for m in spec["methods"] if curves.get(m["name"], {}).get("status") == "ok"]
     failed = [f"`{m}`: {r.get('error')}" for m, r in curves.items() if r.get("status") not in ("ok", "none")]
     none = [f"`{m}`" for m, r in curves.items() if r.get("status") == "none"]

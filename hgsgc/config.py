@@ -73,6 +73,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # L2 on kernels and embeddings
     clip_norm: float = 0.0  # clip this rank's gradients to this global norm (0 = off; LSTM: 5)
     eval_batch_size: int = 0  # 0 = 4 x batch_size (language model: batch_size)
+    test_every_epoch: bool = True  # language model: the test split after every epoch (false: after the last only, as Zaremba et al.'s code; valid: every epoch)
     threads: int = 0  # TF threads per rank; 0 = cores / ranks on the host
     max_steps_per_epoch: int = 0  # 0 = the whole epoch
     progress: bool = True  # progress on rank 0 (a bar on a terminal, else a line every progress_interval_s)

@@ -17,6 +17,11 @@ speech, mean over utterances, greedy decoding (best path, repeats merged, blanks
 WER/CER. Evaluation sums per-example figures on every rank and adds them with ``allreduce_sum``,
 so the result covers each evaluation example once, whatever the number of ranks.
 
+Every task's ``evaluate(model, rank, size, allreduce_sum, final=True)`` builds its evaluation
+``tf.function`` once per task and model (:func:`cached_eval_fn`). The language model evaluates the
+valid split after every epoch and the test split after every epoch too, or only when ``final``
+(the last epoch) with ``train.test_every_epoch=false``; the other tasks ignore ``final``.
+
 Optional per task: ``train.weight_decay`` adds ``wd * sum(||W||^2) / 2`` over kernels and
 embeddings to the loss; ``train.clip_norm`` clips this rank's gradients to that global norm before
 the exchange (Zaremba et al. clip at 5 for the LSTM).
@@ -43,6 +48,17 @@ DEFAULT_DATA = {  # offline defaults prepared by scripts/install.sh (scripts/pre
 }
 DEFAULT_SPLITS = {"librispeech": ("train-clean-100", "test-clean"), "imagenet_jpeg": ("train", "val"),
                   "imagenet_tfrecord": ("train", "validation")}
+
+
+def cached_eval_fn(task, model, build: Callable) -> Callable:
+    """The evaluation function of ``model`` for ``task``: ``build()`` (a new ``tf.function``) on the
+    first call for that model, the same function afterwards. Evaluating after every epoch with a
+    fresh ``tf.function`` traced the graph again each time (about a second on this machine for the
+    LSTM); the cached one traces once per input shape, with the same values."""
+    cached = getattr(task, "_eval_fn", None)
+    if cached is None or cached[0] is not model:
+        task._eval_fn = (model, build())
+    return task._eval_fn[1]
 
 
 def data_path(cfg) -> str:
@@ -175,16 +191,19 @@ class ImageTask:
         fn = tf.function(step)
         return lambda batch: fn(*batch)
 
-    def evaluate(self, model, rank, size, allreduce_sum) -> Dict[str, float]:
+    def evaluate(self, model, rank, size, allreduce_sum, final: bool = True) -> Dict[str, float]:
         import tensorflow as tf
 
-        @tf.function
-        def ev(x, y):
-            logits = model(x, training=False)
-            loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-            correct = tf.equal(tf.argmax(logits, 1, output_type=tf.int32), tf.cast(y, tf.int32))
-            return tf.reduce_sum(loss), tf.reduce_sum(tf.cast(correct, tf.float32))
+        def build():
+            @tf.function
+            def ev(x, y):
+                logits = model(x, training=False)
+                loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+                correct = tf.equal(tf.argmax(logits, 1, output_type=tf.int32), tf.cast(y, tf.int32))
+                return tf.reduce_sum(loss), tf.reduce_sum(tf.cast(correct, tf.float32))
+            return ev
 
+        ev = cached_eval_fn(self, model, build)
         tot = np.zeros(3)
         for x, y in self.test_data(rank, size):
             lo, c = ev(x, y)
@@ -253,18 +272,23 @@ class LanguageModelTask:
 
         return run
 
-    def evaluate(self, model, rank, size, allreduce_sum) -> Dict[str, float]:
+    def evaluate(self, model, rank, size, allreduce_sum, final: bool = True) -> Dict[str, float]:
         import tensorflow as tf
 
-        @tf.function
-        def ev(x, y, h1, c1, h2, c2):
-            logits, *st = model([x, h1, c1, h2, c2], training=False)
-            loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-            return tf.reduce_sum(loss), st
+        def build():
+            @tf.function
+            def ev(x, y, h1, c1, h2, c2):
+                logits, *st = model([x, h1, c1, h2, c2], training=False)
+                loss = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+                return tf.reduce_sum(loss), st
+            return ev
 
+        ev = cached_eval_fn(self, model, build)
         out = {}
         b = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
-        for split in ("valid", "test"):
+        # the test split after every epoch, or (train.test_every_epoch=false) after the last only
+        splits = ("valid", "test") if final or self.cfg.train.test_every_epoch else ("valid",)
+        for split in splits:
             ds, _ = self.data.dataset(split, rank, size, b, self.cfg.data.bptt)
             tot, st = np.zeros(2), self._zeros(b)
             for x, y in ds:
@@ -359,7 +383,7 @@ class SpeechTask:
 
         return lambda batch: step(*batch[0], *batch[1])
 
-    def evaluate(self, model, rank, size, allreduce_sum) -> Dict[str, float]:
+    def evaluate(self, model, rank, size, allreduce_sum, final: bool = True) -> Dict[str, float]:
         import tensorflow as tf
 
         from hgsgc.data.librispeech import decode_ids
@@ -367,10 +391,14 @@ class SpeechTask:
         spec = [tf.TensorSpec([None, None, self.cfg.data.n_mels], tf.float32), tf.TensorSpec([None], tf.int32),
                 tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32)]
 
-        @tf.function(input_signature=spec)
-        def ev(feats, frames, y, ylen):
-            loss, logits, n = self._loss(model, feats, frames, y, ylen, False)
-            return tf.reduce_sum(loss), logits, n
+        def build():
+            @tf.function(input_signature=spec)
+            def ev(feats, frames, y, ylen):
+                loss, logits, n = self._loss(model, feats, frames, y, ylen, False)
+                return tf.reduce_sum(loss), logits, n
+            return ev
+
+        ev = cached_eval_fn(self, model, build)
 
         b = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
         ds, _ = self.te.dataset(rank, size, b, 0, 0, train=False)

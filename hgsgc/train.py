@@ -217,7 +217,7 @@ def run_data_parallel(cfg, log=print) -> dict:
             total_steps += steps_per_epoch
             after = stats.snapshot()
             diff = {k: after[k] - before[k] for k in after}
-            metrics = task.evaluate(model, rank, size, allreduce_sum)
+            metrics = task.evaluate(model, rank, size, allreduce_sum, final=epoch + 1 == cfg.train.epochs)
             rec = {
                 "epoch": epoch + 1,
                 "steps": steps_per_epoch,

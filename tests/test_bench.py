@@ -232,3 +232,15 @@ def test_pin_to_core_picks_rank_modulo_cores():
         assert os.sched_getaffinity(0) == {core}
     finally:
         os.sched_setaffinity(0, saved)
+
+
+def test_breakdown_wire_at_the_rate_the_link_ran():
+    """``breakdown``'s wire time: busiest link bytes x 1.05 x 8 at the nominal rate, or at a
+    time-dilated cell's emulated rate (the step is measured on this machine's clock too)."""
+    cell = {"method": "m", "hosts": 4, "bandwidth": "100mbit", "bandwidth_mbit": 100.0, "role": "ours",
+            "mean_step_time_s": 0.5, "bytes_sent_per_step_per_rank": 125000.0,
+            "bytes_received_per_step_per_rank": 100000.0}
+    res = {"compute_only": {}, "compute_only_shared": {}, "cells": [cell]}
+    assert bench.breakdown(cell, res)["wire_s"] == pytest.approx(125000 * 1.05 * 8 / 100e6)
+    dil = dict(cell, dilation={"mode": "gpu", "factor": 0.05, "emulated_rate": "5000kbit"})
+    assert bench.breakdown(dil, res)["wire_s"] == pytest.approx(125000 * 1.05 * 8 / 5e6)
