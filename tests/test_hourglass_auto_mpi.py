@@ -119,7 +119,17 @@ def test_layout_auto_measures_compression_update_and_share(result):
     i, meas = rep["inputs"], rep["measured"]
     cost = meas["compression_cost"]
     assert i["machine_of"] == meas["machines"]["machine_of"] == [0, 0, 0]
-    assert i["machine_cores"] == meas["machines"]["machine_cores"]
+    # the machine's cores as the ranks get them all computing at once (auto.effective_cores of
+    # the measured slowdown), never more than its affinity cores
+    tog = meas["together"]
+    assert len(tog["trunk_pass_s"]) == 3 and min(tog["trunk_pass_s"]) > 0
+    from hgsgc.hourglass.auto import effective_cores
+
+    cores, slow = effective_cores([0, 0, 0], meas["machines"]["machine_cores"],
+                                  [p["t_conv"] * 8 for p in meas["per_rank"]], tog["trunk_pass_s"],
+                                  i["cpu_parallelism"])
+    assert i["machine_cores"] == tog["effective_cores"] == cores and tog["slowdown_per_machine"] == slow
+    assert 0 < i["machine_cores"][0] <= meas["machines"]["machine_cores"][0]
     assert i["cpu_parallelism"] > 0 and i["t_update_conv"] > 0 and i["t_update_fc"] > 0
     per_rank = meas["per_rank"]
     assert len(per_rank) == 3

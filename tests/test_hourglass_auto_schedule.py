@@ -137,3 +137,21 @@ def test_measure_pipeline_stages_on_a_tiny_split():
     assert got["conv_fwd_mb_s"] > 0 and min(got.values()) >= 0 and got["fc_call_s"] + got["fc_row_s"] > 0
     after = [v.numpy() for v in split.trunk.trainable_variables + split.head.trainable_variables]
     assert all(np.array_equal(a, b) for a, b in zip(w, after))            # it measures, it does not train
+
+
+def test_effective_cores_from_the_slowdown():
+    from hgsgc.hourglass.auto import effective_cores
+
+    # machine 0: ranks 0, 1, 2 (slowdowns 2.0, 3.0, 2.5 -> median 2.5), 2 affinity cores, u 0.9:
+    # P = 0.9 x 3 / 2.5 = 1.08; machine 1: rank 3 alone, slowdown 0.9 (none): its affinity cores
+    cores, slow = effective_cores([0, 0, 0, 1], [2.0, 4.0], [1.0, 2.0, 1.0, 1.0], [2.0, 6.0, 2.5, 0.9], 0.9)
+    assert slow == pytest.approx([2.5, 0.9]) and cores == pytest.approx([1.08, 4.0])
+    # the share of all ranks is then the measured slowdown
+    i = _inputs(machine_of=(0, 0, 0, 1), machine_cores=tuple(cores), cpu_parallelism=0.9)
+    assert pm.cpu_share(i, range(4)) == pytest.approx(2.5)
+    # ranks keeping half a core busy (u 0.5) slowed 1.2x together although u k = 1 fits on the 2
+    # affinity cores (something else takes the cores): P = 0.5 x 2 / 1.2, the share of both 1.2
+    cores2, _ = effective_cores([0, 0], [2.0], [1.0, 1.0], [1.2, 1.2], 0.5)
+    assert cores2 == pytest.approx([0.5 * 2 / 1.2])
+    i2 = _inputs(world_size=2, machine_of=(0, 0), machine_cores=tuple(cores2), cpu_parallelism=0.5)
+    assert pm.cpu_share(i2, range(2)) == pytest.approx(1.2)

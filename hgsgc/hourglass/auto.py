@@ -37,7 +37,12 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   split; the union of the ranks' affinity masks), and ``u``, the cores one rank keeps busy
   while it computes alone (:func:`hgsgc.hourglass.costmodel.cpu_per_wall`), so that
   :func:`hgsgc.perfmodel.cpu_share` scales the times measured alone to what they cost when the
-  co-located ranks compute at once (1 with one rank per machine).
+  co-located ranks compute at once (1 with one rank per machine). Since session 5 a machine's
+  cores are the cores its ranks GET when they all compute (:func:`effective_cores`): after the
+  turns, every rank runs the trunk pass at once (:func:`measure_together`), and the slowdown
+  against the rank alone sets ``P_m = min(affinity cores, u k_m / slowdown)``, so that other
+  jobs on the machine and the ranks' own background threads count (they are not in the
+  affinity masks).
 
 Every per-rank measurement above runs ALONE on its machine: the ranks of one machine take turns
 (:func:`hgsgc.hourglass.costmodel.take_turns`; ranks of different machines measure at once), so
@@ -237,6 +242,46 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
             "fc_call_s": max(0.0, t1 - r * row), "fc_row_s": row}
 
 
+def measure_together(comm, split, x: np.ndarray, repeats: int = 5) -> float:
+    """Seconds of one trunk forward + backward pass of the batch ``x`` while EVERY rank of ``comm``
+    runs it at the same time (collective): the contention the ranks meet when they compute at
+    once, on their machines' cores with whatever else runs there (other jobs, the ranks' own
+    background threads), which :func:`choose` turns into each machine's effective cores.
+
+    The pass is traced before a ``Barrier``; after it, one untimed call and the median of
+    ``repeats`` timed calls (:func:`~hgsgc.hourglass.costmodel.median_seconds`).
+    """
+    import tensorflow as tf
+
+    from hgsgc.hourglass.costmodel import median_seconds, stage_passes
+
+    conv_pass, _ = stage_passes(split)
+    xt = tf.constant(x)
+    float(tf.reduce_sum(conv_pass(xt)[0]))  # tracing, before the barrier
+    comm.Barrier()
+    return median_seconds(conv_pass, (xt,), repeats)
+
+
+def effective_cores(machine_of, affinity_cores, alone_s, together_s, u: float):
+    """Each machine's cores as its ranks get them when they all compute: with ``k_m`` ranks on
+    machine ``m`` and ``s_m`` the median over them of ``together_s[r] / alone_s[r]`` (the slowdown
+    of the same pass run by all ranks at once against the rank alone, :func:`measure_together`),
+    ``P_m = min(affinity_cores[m], u k_m / s_m)``, so that :func:`hgsgc.perfmodel.cpu_share` of
+    all ranks is the measured slowdown ``s_m`` (or 1 where ``u k_m`` fits on the affinity cores).
+    ``s_m <= 1`` (no contention seen): ``P_m = affinity_cores[m]`` (share 1 when ``u k_m`` fits).
+
+    Returns:
+        ``(cores per machine, slowdown per machine)`` (lists of floats).
+    """
+    cores, slow = [], []
+    for m, aff in enumerate(affinity_cores):
+        ranks = [r for r, mm in enumerate(machine_of) if mm == m]
+        s_m = float(np.median([together_s[r] / alone_s[r] for r in ranks]))
+        slow.append(s_m)
+        cores.append(float(aff) if s_m <= 1.0 else float(min(aff, u * len(ranks) / s_m)))
+    return cores, slow
+
+
 def measure_compression_and_update(conv_shapes, fc_shapes, compression, fc_compression,
                                    momentum: float, repeats: int = 3) -> dict:
     """This rank's compression and update costs, measured as ``hgsgc plan`` measures them.
@@ -351,12 +396,24 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     errors = [e for _, e in gathered if e]
     if errors:
         raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
+    # every rank at once: the contention the alone measurements do not see (collective)
+    try:
+        together, err = measure_together(comm, split, x), None
+    except Exception as exc:  # reported on every rank, never left to hang the others
+        together, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
+    together_all = comm.allgather((together, err))
+    errors = [e for _, e in together_all if e]
+    if errors:
+        raise RuntimeError("layout=auto: measurement of all ranks at once failed on " + "; ".join(errors))
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
     report = None
     if comm.Get_rank() == 0:
         meas = _median_measurements([m for m, _ in gathered])
         cost = meas["compression_cost"]
         n = comm.Get_size()
+        cores, slowdown = effective_cores(
+            machines["machine_of"], machines["machine_cores"], [m["t_conv"] * len(x) for m, _ in gathered],
+            [t for t, _ in together_all], meas["cpu_parallelism"])
         inputs = perfmodel.LayoutInputs(
             world_size=n, batch_size=len(x), t_conv=meas["t_conv"], t_fc=meas["t_fc"],
             act_bytes=meas["act_bytes"], grad_bytes=meas["grad_bytes"], codec_s=meas["codec_s"],
@@ -369,7 +426,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             micro_batches=int(h.micro_batches), cycle_s=perfmodel.horovod_cycle_s(),
             dp_compression_s=perfmodel.compression_at(cost["dp"], n, perfmodel.algorithm_of(cc)),
             t_update_conv=meas["update_conv_s"], t_update_fc=meas["update_fc_s"],
-            machine_of=tuple(machines["machine_of"]), machine_cores=tuple(machines["machine_cores"]),
+            machine_of=tuple(machines["machine_of"]), machine_cores=tuple(cores),
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
             conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"])
         report = perfmodel.choose_layout(
@@ -384,6 +441,8 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
                           setting="fc_workers=auto")
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
                               "compression_cost": cost, "machines": machines,
+                              "together": {"trunk_pass_s": [t for t, _ in together_all],
+                                           "slowdown_per_machine": slowdown, "effective_cores": cores},
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
                               "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
         report["link"] = link
