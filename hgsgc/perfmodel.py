@@ -409,12 +409,18 @@ def with_role_compression(inp: LayoutInputs, fc_workers: int, conv_cost: dict, f
         fc_compression_s=compression_at(fc_cost, fc_workers, inp.fc_algorithm))
 
 
-def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=None) -> dict:
+def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=None,
+                  hourglass_only: bool = False) -> dict:
     """Predict data parallelism and the Hourglass for ``F = 1 .. floor(n/2)``; pick the highest
     throughput (ties: data parallelism, then fewer FC ranks).
 
     ``inputs_at``: optional ``F -> LayoutInputs`` for the Hourglass candidates (e.g.
     :func:`with_role_compression`, whose compression seconds depend on ``F``); default ``inp``.
+    ``hourglass_only`` (``hourglass.fc_workers: auto``): pick among the Hourglass candidates
+    only; the data-parallel prediction stays first in ``predictions``, for reference.
+
+    Raises:
+        ValueError: ``hourglass_only`` with no Hourglass candidate (``n < 2`` or not possible).
 
     Returns:
         ``{"layout", "fc_workers", "inputs", "predictions": [...], "choice": the chosen prediction}``.
@@ -423,8 +429,11 @@ def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=
     if hourglass_possible and inp.world_size >= 2:
         preds += [predict_hourglass(inputs_at(F) if inputs_at else inp, F)
                   for F in range(1, inp.world_size // 2 + 1)]
-    best = preds[0]
-    for p in preds[1:]:
+    candidates = preds[1:] if hourglass_only else preds
+    if not candidates:
+        raise ValueError(f"no Hourglass layout for {inp.world_size} rank(s): it needs at least 2")
+    best = candidates[0]
+    for p in candidates[1:]:
         if p["throughput"] > best["throughput"] * (1 + 1e-9):
             best = p
     return {"layout": best["layout"], "fc_workers": best["fc_workers"], "inputs": inp.to_dict(),

@@ -430,15 +430,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
             conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"])
         report = perfmodel.choose_layout(
-            inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]))
-        report["setting"] = "layout=auto"
-        if hourglass_only:
-            best = None
-            for p in report["predictions"][1:]:
-                if best is None or p["throughput"] > best["throughput"] * (1 + 1e-9):
-                    best = p
-            report.update(layout="hourglass", fc_workers=best["fc_workers"], choice=best,
-                          setting="fc_workers=auto")
+            inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
+            hourglass_only=hourglass_only)
+        report["setting"] = "fc_workers=auto" if hourglass_only else "layout=auto"
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
                               "compression_cost": cost, "machines": machines,
                               "together": {"trunk_pass_s": [t for t, _ in together_all],
