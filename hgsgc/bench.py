@@ -409,8 +409,10 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
     mode = spec.get("dilation", "none")
     if mode == "none":
         return None
+    if mode == "gpu" and spec.get("gpu_reference"):
+        method = spec["gpu_reference"]  # one factor for every method: the reference's
     alone = results["compute_only"].get(method, {})
-    if alone.get("status") != "ok" and not (mode == "gpu" and spec.get("gpu_reference")):
+    if alone.get("status") != "ok":
         return None
     if mode == "cpu_share":
         if hosts == 1:
@@ -419,11 +421,6 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
         if shared.get("status") != "ok":
             return None
         return min(1.0, alone["mean_step_time_s"] / shared["mean_step_time_s"])
-    if spec.get("gpu_reference"):
-        method = spec["gpu_reference"]
-        alone = results["compute_only"].get(method, {})
-        if alone.get("status") != "ok":
-            return None
     g = (spec.get("gpu_step_ms") or {}).get(method)
     if g is None:
         return None
