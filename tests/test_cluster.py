@@ -262,18 +262,22 @@ def test_run_tears_down_on_ctrl_c():
 
 
 @pytest.mark.mpi
-def test_ranks_are_not_bound_to_one_core(cluster2):
+def test_ranks_are_not_bound_to_one_core(cluster2, tmp_path):
     """Each emulated host is a one-slot node, so Open MPI's default binding (core, for <= 2 ranks)
     put the rank of every host on core 0; cluster.sh launches with ``--bind-to none``: each rank
     starts with every core this process may use, and HGSGC_PIN_CORES=1 pins rank r to its own core
-    ``r % cores`` (different cores for the 2 ranks when the machine has 2 or more)."""
+    ``r % cores`` (different cores for the 2 ranks when the machine has 2 or more).
+
+    Each rank writes its own file (the emulated hosts share this file system): two ranks printing
+    to mpirun's forwarded stdout at once can land on one line (``{...}{...}``, seen once in CI)."""
     cores = sorted(os.sched_getaffinity(0))
-    prog = ("import os, json; m = sorted(os.sched_getaffinity(0)); from hgsgc.runtime import pin_to_core; "
-            "c = pin_to_core(); print(json.dumps({'rank': int(os.environ['OMPI_COMM_WORLD_RANK']), "
-            "'mask': m, 'pinned': c}))")
+    prog = ("import os, sys, json; m = sorted(os.sched_getaffinity(0)); from hgsgc.runtime import pin_to_core; "
+            "c = pin_to_core(); r = int(os.environ['OMPI_COMM_WORLD_RANK']); "
+            "open(os.path.join(sys.argv[1], 'rank%d.json' % r), 'w').write("
+            "json.dumps({'rank': r, 'mask': m, 'pinned': c}))")
     env = dict(os.environ, HGSGC_PIN_CORES="1", PYTHONPATH=ROOT)
-    p = cluster2.mpirun(["-np", "2", sys.executable, "-c", prog], env=env, timeout=120)
-    out = sorted((json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")), key=lambda r: r["rank"])
-    assert [r["rank"] for r in out] == [0, 1], p.stdout
+    p = cluster2.mpirun(["-np", "2", sys.executable, "-c", prog, str(tmp_path)], env=env, timeout=120)
+    out = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in out] == [0, 1], (p.stdout, p.stderr)
     assert all(r["mask"] == cores for r in out), out
     assert [r["pinned"] for r in out] == [cores[0], cores[1 % len(cores)]], out
