@@ -93,6 +93,7 @@ class CompressionConfig:
     selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
     error_feedback: bool = True
     momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
+    momentum_masking: bool = True  # with momentum_correction: DGC's momentum factor masking (false: keep the velocity)
     warmup_steps: int = 0  # DGC warm-up of sparsity: density 0.25 -> 0.004 in 4 stages
     local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
     dense_vectors: bool = False  # topk/sgc/dgc: biases and batch-norm parameters (rank < 2) averaged densely, as DGC
@@ -224,6 +225,10 @@ def validate(cfg: Config) -> None:
                                                   "payloads: hierarchies apply to topk, sgc and dgc")
     if c.momentum_correction and (not sparse or c.delay != 1):
         bad("compression.momentum_correction", True, "needs method topk, sgc or dgc with delay=1")
+    if not c.momentum_masking and not (c.momentum_correction or c.method == "dgc"):
+        bad("compression.momentum_masking", False, "applies to momentum correction only: set "
+                                                   "compression.momentum_correction=true (or method dgc), "
+                                                   "or drop momentum_masking")
     if (c.momentum_correction or c.method == "dgc") and not c.error_feedback:
         bad("compression.error_feedback", False, "momentum correction (and so method dgc) needs "
                                                  "error feedback: set compression.error_feedback=true")
@@ -416,7 +421,7 @@ def fc_compression_from_config(cfg: Config):
     # sgc: communication delay hourglass.fc_delay (local steps + compressed delta, as on CONV ranks)
     comp = compression_from_config(cfg.compression, m, delay=cfg.hourglass.fc_delay if m == "sgc" else 1)
     if hasattr(comp, "momentum_correction"):
-        comp = dataclasses.replace(comp, momentum_correction=False, local_clip_norm=None)
+        comp = dataclasses.replace(comp, momentum_correction=False, momentum_masking=True, local_clip_norm=None)
     return comp
 
 

@@ -32,6 +32,7 @@ def test_configs_load():
     ("train.epochs=abc", "train.epochs"),
     ("compression.method=magic", "compression.method"),
     ("compression.method=fp16 compression.delay=1 compression.hierarchy=tree", "compression.hierarchy"),
+    ("compression.momentum_masking=false", "compression.momentum_masking"),
 ])
 def test_bad_config_values_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -45,6 +46,11 @@ def test_topk_keeps_hierarchy_and_momentum_correction():
                             "compression.momentum_correction=true"])
     comp = compression_from_config(cfg.compression)
     assert comp.method == "topk" and comp.hierarchy == "tree" and comp.momentum_correction
+    assert comp.momentum_masking                        # DGC's masking unless switched off
+    cfg = load_config(CFG, ["compression.delay=1", "compression.momentum_correction=true",
+                            "compression.momentum_masking=false"])
+    comp = compression_from_config(cfg.compression)
+    assert comp.method == "sgc" and comp.momentum_correction and comp.momentum_masking is False
 
 
 def test_missing_config_file():

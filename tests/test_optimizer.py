@@ -73,6 +73,57 @@ def test_momentum_correction_matches_dgc_reference():
     np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
 
 
+def test_momentum_correction_without_masking_matches_reference():
+    """Momentum correction with ``momentum_masking=False``: the velocity is kept whole, so every
+    accumulated ``u_t`` is applied once; numpy reference (top-k of ``v + u``, residual ``v``)."""
+    rng = np.random.default_rng(4)
+    n, k, lr, m = 30, 3, 0.05, 0.9
+    w0 = rng.standard_normal(n).astype(np.float32)
+    gs = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+    opt = hgsgc.DistributedOptimizer(
+        tf.keras.optimizers.legacy.SGD(lr, momentum=m),
+        compression=hgsgc.Compression.sgc(k / n, bits=32, momentum_correction=True, momentum_masking=False))
+    got = _run(opt, gs, w0)
+    w, u, v, applied = w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    us = np.zeros(n, np.float32)
+    for g in gs:
+        u = m * u + g                                    # no masking: u is never cleared
+        us += u
+        a = v + u
+        idx = ref.topk_indices(a, k)
+        sent = np.zeros(n, np.float32)
+        sent[idx] = a[idx]
+        v = a - sent
+        applied += sent
+        w = w - lr * sent
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(applied, us - v, rtol=1e-5, atol=1e-5)  # sum of u_t applied, less the residual
+
+
+def test_momentum_correction_without_masking_at_density_one_is_momentum_sgd():
+    """At density 1 nothing stays in the residual: without masking the step is momentum SGD
+    (with masking it would be SGD without momentum)."""
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(40).astype(np.float32)
+    gs = [rng.standard_normal(40).astype(np.float32) for _ in range(5)]
+    plain = _run(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9), gs, w0)
+    ours = _run(hgsgc.DistributedOptimizer(
+        tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+        compression=hgsgc.Compression.sgc(1.0, bits=32, momentum_correction=True, momentum_masking=False)), gs, w0)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-6)
+    masked = _run(hgsgc.DistributedOptimizer(
+        tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+        compression=hgsgc.Compression.sgc(1.0, bits=32, momentum_correction=True)), gs, w0)
+    np.testing.assert_allclose(masked, _run(tf.keras.optimizers.legacy.SGD(0.1), gs, w0), rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_masking_off_needs_momentum_correction():
+    with pytest.raises(ValueError, match="momentum_masking=False applies to momentum correction only"):
+        hgsgc.Compression.sgc(0.1, momentum_masking=False)
+    with pytest.raises(ValueError, match="momentum_masking must be True or False"):
+        hgsgc.Compression.sgc(0.1, momentum_correction=True, momentum_masking="no")
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(TypeError, match="legacy"):
         hgsgc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))

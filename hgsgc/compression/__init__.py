@@ -100,6 +100,13 @@ class SparseCompression:
             locally before sparsification (u = m u + g), u is compressed with error feedback, the
             entries that were sent are cleared from u, and the averaged update is applied with
             momentum 0. Needs delay = 1 and an optimizer with a ``momentum`` hyperparameter.
+        momentum_masking: with ``momentum_correction``, clear the sent entries of ``u`` (True,
+            DGC's momentum factor masking) or keep ``u`` whole (False). Without masking every
+            accumulated ``u_t`` is applied exactly once, sooner or later (the sum of the applied
+            updates is ``sum_t u_t - e_T``, ``e_T`` the residual left), as momentum SGD applies
+            it; at density 1 it is momentum SGD. Masking drops the momentum of the entries sent
+            (at density 1: SGD without momentum), which Lin et al. use against stale momentum.
+            False only with ``momentum_correction``.
         local_clip_norm: Deep Gradient Compression's local gradient clipping (Lin et al. 2018,
             Sec. 3.2): before its gradient enters the residual / momentum accumulation, each
             rank clips it to global L2 norm ``local_clip_norm / sqrt(n)`` (n ranks), so the sum
@@ -125,6 +132,7 @@ class SparseCompression:
     momentum_correction: bool = False
     local_clip_norm: Optional[float] = None
     dense_vectors: bool = False
+    momentum_masking: bool = True
 
     def __post_init__(self):
         if isinstance(self.density, (str, bytes, bool)):
@@ -149,6 +157,11 @@ class SparseCompression:
                              "off the residual")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if not isinstance(self.momentum_masking, bool):
+            raise ValueError(f"momentum_masking must be True or False, got {self.momentum_masking!r}")
+        if not self.momentum_masking and not self.momentum_correction:
+            raise ValueError("momentum_masking=False applies to momentum correction only: set "
+                             "momentum_correction=True as well, or leave momentum_masking=True")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if not isinstance(self.dense_vectors, bool):
@@ -211,7 +224,7 @@ class SparseCompression:
                     "needs the optimizer's momentum: use hgsgc.DistributedOptimizer(SGD(momentum=m), "
                     "compression=...), or DistributedGradientTape(..., momentum=m) with an optimizer "
                     "whose momentum is 0")
-            red = MomentumCorrection(red, env.momentum, env.store("velocity"))
+            red = MomentumCorrection(red, env.momentum, env.store("velocity"), masking=self.momentum_masking)
         dense = None
         if self.dense_vectors:
             from hgsgc.compression.reducers import DenseAllreduce
@@ -379,18 +392,19 @@ class Compression:
     @staticmethod
     def topk(density: float, bits: int = 32, selector: str = "exact",
              error_feedback: bool = True, hierarchy: str = "allgather",
-             momentum_correction: bool = False) -> SparseCompression:
+             momentum_correction: bool = False, momentum_masking: bool = True) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
                                  error_feedback=error_feedback, method="topk",
-                                 hierarchy=hierarchy, momentum_correction=momentum_correction)
+                                 hierarchy=hierarchy, momentum_correction=momentum_correction,
+                                 momentum_masking=momentum_masking)
 
     @staticmethod
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
             selector: str = "sampled", error_feedback: bool = True,
-            momentum_correction: bool = False) -> SparseCompression:
+            momentum_correction: bool = False, momentum_masking: bool = True) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
                                  selector=selector, error_feedback=error_feedback, method="sgc",
-                                 momentum_correction=momentum_correction)
+                                 momentum_correction=momentum_correction, momentum_masking=momentum_masking)
 
     @staticmethod
     def localsgd(delay: int) -> DenseCompression:
@@ -469,7 +483,8 @@ def _sparse_from_config(method):
             hierarchy=c.hierarchy if hierarchy is None else hierarchy, selector=c.selector,
             error_feedback=c.error_feedback, method=method,
             momentum_correction=c.momentum_correction or method == "dgc",
-            local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors))
+            local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors),
+            momentum_masking=bool(c.momentum_masking))
     return build
 
 

@@ -65,19 +65,22 @@ class MomentumCorrection(Wrapper):
     """DGC momentum correction and momentum factor masking (Lin et al. 2018, Sec. 3.2).
 
     ``u[name] = m u[name] + x`` (float32, the view's shape), ``u`` is reduced by the inner
-    reducer (error feedback inside), and ``u`` is zeroed where ``contributed != 0`` (the entries
-    that were sent). The optimizer then applies the average with momentum 0.
+    reducer (error feedback inside), and with ``masking`` ``u`` is zeroed where ``contributed !=
+    0`` (the entries that were sent; without it ``u`` is kept whole). The optimizer then applies
+    the average with momentum 0.
     State: ``{"velocity": {name: float32 array}}``.
 
     Args:
         momentum: ``m`` in [0, 1).
         velocity: the store holding ``u``.
+        masking: momentum factor masking (DGC) on or off (``SparseCompression.momentum_masking``).
     """
 
-    def __init__(self, inner: Reducer, momentum: float, velocity: VariableStore):
+    def __init__(self, inner: Reducer, momentum: float, velocity: VariableStore, masking: bool = True):
         super().__init__(inner)
         self.momentum = float(momentum)
         self.velocity = velocity
+        self.masking = bool(masking)
 
     def reduce(self, views, names, ctx: Context):
         m = self.momentum
@@ -87,7 +90,7 @@ class MomentumCorrection(Wrapper):
         ops = []
         with tf.control_dependencies([a for a in avgs]):
             for u, c, nm in zip(us, contributed, names):
-                kept = u if c is None else tf.where(tf.equal(c, 0.0), u, 0.0)
+                kept = u if c is None or not self.masking else tf.where(tf.equal(c, 0.0), u, 0.0)
                 ops.append(self.velocity.variable(nm, u.shape).assign(kept))
         with tf.control_dependencies(ops):
             return [tf.identity(a) for a in avgs], contributed
