@@ -303,6 +303,26 @@ def _full_epoch_steps(summary: dict, cfg: dict, given: Optional[int] = None) -> 
     return max(1, images // gb)
 
 
+def _final_only_eval_s(cfg: dict, epochs: List[dict]) -> Optional[float]:
+    """Seconds of the evaluation done once, after the last epoch only: the test split of a language
+    model with ``train.test_every_epoch: false`` (rank 0's timer, ``eval_test_time_s``); None
+    when every epoch evaluates the same splits (or the run did not time its splits)."""
+    if not epochs or (cfg.get("train") or {}).get("test_every_epoch", True):
+        return None
+    return epochs[-1].get("eval_test_time_s")
+
+
+def _eval_time(summary: dict, cfg: dict, epochs: List[dict]) -> Optional[float]:
+    """One epoch's evaluation: the training wall time minus the epochs' step loops, per epoch (with
+    checkpoint.at_end=false the rest of the loop is negligible), less the evaluation done only
+    after the last epoch (:func:`_final_only_eval_s`: not a per-epoch cost, and not needed to see
+    the validation target reached)."""
+    if not epochs:
+        return None
+    rest = summary["wall_time_s"] - sum(e.get("epoch_time_s") or 0.0 for e in epochs)
+    return (rest - (_final_only_eval_s(cfg, epochs) or 0.0)) / len(epochs)
+
+
 def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
     """The per-cell figures from a run directory's files."""
     s, cfg, epochs = run["summary"], run["config"], run["epochs"]
@@ -333,13 +353,20 @@ def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
         "final_test_accuracy": s.get("final_test_accuracy"),
         "final_test_loss": s.get("final_test_loss"),
         "final_valid_perplexity": s.get("final_valid_perplexity"),
+        "final_test_perplexity": s.get("final_test_perplexity"),
+        "final_test_wer": s.get("final_test_wer"),
         # one evaluation: the training wall time minus the epochs' step loops, per evaluation (one
         # after every epoch; with checkpoint.at_end=false the rest of the loop is negligible)
-        "eval_time_s": ((s["wall_time_s"] - sum(e.get("epoch_time_s") or 0.0 for e in epochs)) / len(epochs)
-                        if epochs else None),
+        "eval_time_s": _eval_time(s, cfg, epochs),
+        "final_eval_time_s": _final_only_eval_s(cfg, epochs),
         "eval_count": len(epochs),
+        "eval_time_per_epoch_s": [e.get("eval_time_s") for e in epochs],
+        "eval_split_time_s": [{k[5:-7]: e[k] for k in e if k.startswith("eval_") and k.endswith("_time_s")
+                               and k != "eval_time_s"} for e in epochs],
+        # the quality each epoch reported (accuracy, perplexity, WER: whatever the task's metrics)
         "accuracy_curve": [{"epoch": e["epoch"], "test_accuracy": e.get("test_accuracy"),
-                            "epoch_time_s": e.get("epoch_time_s")} for e in epochs],
+                            "epoch_time_s": e.get("epoch_time_s"),
+                            **{k: e[k] for k in QUALITY_KEYS if e.get(k) is not None}} for e in epochs],
     }
     if "roles" in s:
         rec["roles"] = {r: {k: v for k, v in s["roles"][r].items()
@@ -1052,6 +1079,50 @@ def _style(i: int) -> dict:
             "linestyle": "-" if (i // 20) % 2 == 0 else "--"}
 
 
+# (metric, better, axis label) of the quality a task reports, in the order one is picked for a plot
+QUALITY = (("test_accuracy", "higher", "test accuracy (higher is better)"),
+           ("valid_perplexity", "lower", "validation perplexity (lower is better)"),
+           ("test_perplexity", "lower", "test perplexity (lower is better)"),
+           ("test_wer", "lower", "test word error rate (lower is better)"))
+QUALITY_KEYS = tuple(q[0] for q in QUALITY)
+
+
+def quality_series(results: dict) -> dict:
+    """What the quality-vs-wall-time plot draws: the quality the cells' task reports (accuracy for
+    the image tasks, validation perplexity for the language model, WER for speech; the time to
+    target's metric first when the spec has one), one series per ok cell: x = cumulative wall time
+    of the truncated epochs (s), y = the metric after each epoch, or one point (the run's wall time,
+    its final value) when the epochs did not record it (results files written before).
+
+    Returns ``{"metric", "better", "label", "series": [{"label", "x", "y"}]}``; ``metric`` None and
+    no series when no cell reports any known quality."""
+    ok = [c for c in results.get("cells", []) if c.get("status") == "ok"]
+    order = list(QUALITY)
+    want = ((results.get("spec") or {}).get("time_to_target") or {}).get("metric")
+    order.sort(key=lambda q: q[0] != want)  # stable: the time to target's metric first
+
+    def points(c, key):
+        xs, ys, t = [], [], 0.0
+        for e in c.get("accuracy_curve") or []:
+            t += e.get("epoch_time_s") or 0.0
+            if e.get(key) is not None:
+                xs.append(t)
+                ys.append(e[key])
+        if not xs and c.get("final_" + key) is not None and c.get("wall_time_s") is not None:
+            xs, ys = [c["wall_time_s"]], [c["final_" + key]]
+        return xs, ys
+
+    for key, better, label in order:
+        series = []
+        for c in ok:
+            xs, ys = points(c, key)
+            if xs:
+                series.append({"label": f"{c['method']} {c['hosts']}h {c['bandwidth']}", "x": xs, "y": ys})
+        if series:
+            return {"metric": key, "better": better, "label": label, "series": series}
+    return {"metric": None, "better": None, "label": None, "series": []}
+
+
 def plots(results: dict, out_dir: str, name: str) -> List[str]:
     import matplotlib
 
@@ -1085,19 +1156,15 @@ def plots(results: dict, out_dir: str, name: str) -> List[str]:
     plt.close(fig)
     paths.append(p)
 
+    q = quality_series(results)
+    if not q["series"]:
+        return paths
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, c in enumerate(ok):
-        xs, ys, t = [], [], 0.0
-        for e in c.get("accuracy_curve") or []:
-            t += e.get("epoch_time_s") or 0.0
-            xs.append(t)
-            ys.append(e["test_accuracy"])
-        if not xs:
-            xs, ys = [c["wall_time_s"]], [c["final_test_accuracy"]]
-        ax.plot(xs, ys, label=f"{c['method']} {c['hosts']}h {c['bandwidth']}", **_style(i))
+    for i, sr in enumerate(q["series"]):
+        ax.plot(sr["x"], sr["y"], label=sr["label"], **_style(i))
     ax.set_xlabel("training wall time (s, truncated epochs)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{name}: accuracy vs wall time (short budget: indicative)")
+    ax.set_ylabel(q["label"])
+    ax.set_title(f"{name}: {q['metric'].replace('_', ' ')} vs wall time (short budget: indicative)")
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

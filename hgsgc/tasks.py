@@ -29,6 +29,7 @@ the exchange (Zaremba et al. clip at 5 for the LSTM).
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Dict
 
 import numpy as np
@@ -288,7 +289,9 @@ class LanguageModelTask:
         b = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
         # the test split after every epoch, or (train.test_every_epoch=false) after the last only
         splits = ("valid", "test") if final or self.cfg.train.test_every_epoch else ("valid",)
+        self.eval_split_times_s = {}  # seconds per split, this rank (the training loop records them)
         for split in splits:
+            t0 = time.perf_counter()
             ds, _ = self.data.dataset(split, rank, size, b, self.cfg.data.bptt)
             tot, st = np.zeros(2), self._zeros(b)
             for x, y in ds:
@@ -297,6 +300,7 @@ class LanguageModelTask:
             s = allreduce_sum(tot)
             out[f"{split}_loss"] = s[0] / s[1]
             out[f"{split}_perplexity"] = float(np.exp(s[0] / s[1]))
+            self.eval_split_times_s[split] = time.perf_counter() - t0
         return out
 
 

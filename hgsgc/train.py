@@ -217,13 +217,17 @@ def run_data_parallel(cfg, log=print) -> dict:
             total_steps += steps_per_epoch
             after = stats.snapshot()
             diff = {k: after[k] - before[k] for k in after}
+            eval_t0 = time.perf_counter()
             metrics = task.evaluate(model, rank, size, allreduce_sum, final=epoch + 1 == cfg.train.epochs)
+            eval_times = {"eval_time_s": time.perf_counter() - eval_t0,  # rank 0's, every split
+                          **{f"eval_{k}_time_s": v for k, v in getattr(task, "eval_split_times_s", {}).items()}}
             rec = {
                 "epoch": epoch + 1,
                 "steps": steps_per_epoch,
                 "train_loss": float(np.mean(losses)) if losses else float("nan"),
                 **metrics,
                 "epoch_time_s": epoch_time,
+                **eval_times,
                 "mean_step_time_s": float(np.mean(step_times[-steps_per_epoch:])) if step_times else 0.0,
                 "lr": lr_at(cfg.train, max(0, total_steps - 1), steps_per_epoch, world_batch),
                 **byte_figures(diff, steps_per_epoch, size, grad_bytes),

@@ -304,3 +304,54 @@ def test_curve_run_reads_the_curves_of_a_results_json(tmp_path):
                              time_to_target={"reference": "bad"}))
     with pytest.raises(bench.SpecError, match=r"nope.json not found"):
         bench.load_spec(dict(base, methods=[dict(base["methods"][0], curve_run=str(tmp_path / "nope.json"))]))
+
+
+def test_eval_time_leaves_out_the_end_only_test_split():
+    """train.test_every_epoch=false: the test split runs after the last epoch only, so a cell's
+    per-epoch evaluation time is the rest of the wall time less that one-off split (recorded apart);
+    with the default (true) every epoch's evaluation counts, as before."""
+    from hgsgc import bench
+
+    epochs = [{"epoch": 1, "epoch_time_s": 10.0, "eval_time_s": 5.0, "eval_valid_time_s": 2.0,
+               "eval_test_time_s": 3.0}]
+    summary = {"wall_time_s": 15.5}
+    off = {"train": {"test_every_epoch": False}}
+    assert bench._final_only_eval_s(off, epochs) == 3.0
+    assert bench._eval_time(summary, off, epochs) == pytest.approx(2.5)
+    assert bench._final_only_eval_s({"train": {"test_every_epoch": True}}, epochs) is None
+    assert bench._eval_time(summary, {"train": {}}, epochs) == pytest.approx(5.5)
+    two = [{"epoch": 1, "epoch_time_s": 10.0, "eval_valid_time_s": 2.0},
+           {"epoch": 2, "epoch_time_s": 10.0, "eval_valid_time_s": 2.0, "eval_test_time_s": 3.0}]
+    assert bench._eval_time({"wall_time_s": 27.0}, off, two) == pytest.approx(2.0)
+    assert bench._eval_time(summary, off, []) is None
+
+
+def test_quality_plot_draws_the_quality_the_task_reports(tmp_path):
+    """The quality-vs-wall-time plot's data (not its pixels): the language model's cells report a
+    perplexity (lower is better), not an accuracy, and results files written before the epochs kept
+    it give one point per cell (wall time, final value); image cells keep their accuracy."""
+    from hgsgc import bench
+
+    lm = {"spec": {"time_to_target": {"metric": "valid_perplexity"}}, "cells": [
+        {"method": "fp16", "hosts": 4, "bandwidth": "10mbit", "status": "ok", "wall_time_s": 171.0,
+         "final_valid_perplexity": 7838.6, "final_test_accuracy": None,
+         "accuracy_curve": [{"epoch": 1, "test_accuracy": None, "epoch_time_s": 85.9}]},
+        {"method": "sgc", "hosts": 4, "bandwidth": "10mbit", "status": "ok", "wall_time_s": 75.0,
+         "accuracy_curve": [{"epoch": 1, "test_accuracy": None, "epoch_time_s": 10.0, "valid_perplexity": 900.0},
+                            {"epoch": 2, "test_accuracy": None, "epoch_time_s": 12.0, "valid_perplexity": 700.0}]},
+        {"method": "bad", "hosts": 4, "bandwidth": "10mbit", "status": "failed"}]}
+    q = bench.quality_series(lm)
+    assert (q["metric"], q["better"]) == ("valid_perplexity", "lower")
+    assert "perplexity" in q["label"] and "lower is better" in q["label"]
+    assert q["series"] == [{"label": "fp16 4h 10mbit", "x": [171.0], "y": [7838.6]},
+                           {"label": "sgc 4h 10mbit", "x": [10.0, 22.0], "y": [900.0, 700.0]}]
+    img = {"spec": {}, "cells": [{"method": "dense", "hosts": 2, "bandwidth": "100mbit", "status": "ok",
+                                  "wall_time_s": 30.0, "final_test_accuracy": 0.8,
+                                  "accuracy_curve": [{"epoch": 1, "test_accuracy": 0.8, "epoch_time_s": 25.0}]}]}
+    q = bench.quality_series(img)
+    assert (q["metric"], q["better"], q["series"][0]["y"]) == ("test_accuracy", "higher", [0.8])
+    assert bench.quality_series({"cells": [dict(img["cells"][0], accuracy_curve=[],
+                                                final_test_accuracy=None)]})["series"] == []
+    lm["cells"] = [dict(c, time_per_epoch_s=1.0, bandwidth_mbit=10.0) for c in lm["cells"]]
+    paths = bench.plots(lm, str(tmp_path), "lm")
+    assert [os.path.basename(p) for p in paths] == ["lm_epoch_time.png", "lm_accuracy.png"]
