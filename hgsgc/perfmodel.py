@@ -53,8 +53,8 @@ class LayoutInputs:
             graph-to-Python crossings) and the FC rank's work per micro-batch of ``r`` examples
             ``fc_call_s + r fc_row_s`` (the head's forward + backward call with its Python
             around it: concatenation, tensor conversion, splitting ``dA``; codec work excluded).
-            All 0 (the default): the closed form of :func:`predict_hourglass` from ``t_conv``,
-            ``t_fc`` instead of :func:`pipeline_schedule`.
+            All 0 (the default): :func:`pipeline_stages` derives them from ``t_conv``, ``t_fc``
+            (backward twice the forward, no per-call cost) for the same :func:`pipeline_schedule`.
         machine_of, machine_cores, cpu_parallelism: the CPU share (:func:`cpu_share`):
             ``machine_of[r]`` the machine (0-based index) of world rank ``r`` (empty: every rank
             on a machine of its own, share 1), ``machine_cores[m]`` the cores machine ``m`` gives
@@ -215,58 +215,84 @@ def predict_data_parallel(inp: LayoutInputs) -> dict:
             "throughput": n * b / t if t > 0 else float("inf")}
 
 
-def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
-    """The Hourglass step with ``F = fc_workers`` FC ranks, GPipe-style with ``M`` micro-batches.
+#: Backward / forward seconds of the trunk assumed by :func:`pipeline_stages` where the stages
+#: per micro-batch are not measured: the backward of a convolution or dense layer runs two
+#: products of the forward's size (the gradients with respect to the input and to the weights),
+#: so ``2`` (the usual FLOP count, e.g. Kaplan et al. 2020). ``layout: auto`` measured 1.61 on
+#: the AlexNet-style trunk (forward 2.35 + backward 3.78 ms per micro-batch, docs/hourglass.md,
+#: session 5): the trunk's first layer needs no input gradient.
+BWD_FWD_RATIO = 2.0
 
-    ``C = n - F`` CONV ranks, an FC rank serves at most ``m = ceil(C / F)``. Per micro-batch the
-    four stages take ``s_conv = (b t_conv + b c/2) / M`` (trunk + its half of the codec work),
-    ``s_in = m b act / (M beta)`` (activations into the FC rank's link), ``s_fc = m b (t_fc +
-    c/2) / M``, ``s_out = m b grad / (M beta)``; a GPipe pipeline of ``M`` micro-batches takes
-    ``S + (M - 1) max(s)`` with ``S = sum(s)`` (``M = 1``: the stages in series). Then each role
-    updates its variables and exchanges its gradients, on disjoint links (:func:`role_exchange`,
-    the exchange term of :func:`predict_step`), so the step adds the slower of the two, and
-    ``2 M alpha`` for the boundary messages::
 
-        T(F) = S + (M - 1) max(s) + max(u_conv + E(C, P_conv, H), u_fc + E(F, P_fc, H_fc)) + 2 M alpha
+def stages_measured(inp: LayoutInputs) -> bool:
+    """True when ``inp`` carries the stages per micro-batch (any of ``conv_fwd_mb_s``,
+    ``conv_bwd_mb_s``, ``fc_call_s``, ``fc_row_s`` > 0), as ``layout: auto`` and ``hgsgc plan``
+    measure them (:func:`hgsgc.hourglass.auto.measure_pipeline_stages`)."""
+    return any(float(v) > 0 for v in (inp.conv_fwd_mb_s, inp.conv_bwd_mb_s, inp.fc_call_s, inp.fc_row_s))
 
-    CPU share (:func:`cpu_share`; all factors 1 with one rank per machine): in ``S`` (one
-    micro-batch through the stages, the roles one after the other) the trunk stage is scaled by
-    the share of the CONV ranks computing at once, ``s_conv = cpu_share(CONV ranks)``, the head
-    stage by ``s_fc = cpu_share(FC ranks)``; in the ``(M - 1) max(s)`` part the trunk stage of
-    one micro-batch overlaps the head stage of the previous one, so its term is ``(M - 1)
-    max(s_conv_alone, s_in, s_fc_alone, s_out, cpu_bound_s({CONV rank: s_conv, FC rank: s_fc}))``
-    (:func:`cpu_bound_s`: the CPU work of both stages of every rank of a machine on its cores,
-    work-conserving); the updates and the compression after the pipeline run on both roles at
-    once: ``u_conv``, ``u_fc``, ``c_conv``, ``c_fc`` are scaled by ``s_all = cpu_share(all
-    ranks)``. The wire stages are not scaled.
 
-    Throughput: ``C b / T(F)`` examples per second.
+def pipeline_stages(inp: LayoutInputs, ratio: float = BWD_FWD_RATIO) -> LayoutInputs:
+    """``inp`` with the stages per micro-batch :func:`pipeline_schedule` runs on: unchanged when
+    they are measured (:func:`stages_measured`), else derived from the fused per-example times
+    ``t_conv``, ``t_fc`` (seconds per example, forward + backward) with ``M = micro_batches``:
+
+        conv_fwd_mb_s = b t_conv / (M (1 + ratio)),   conv_bwd_mb_s = ratio b t_conv / (M (1 + ratio)),
+        fc_call_s = 0,                                fc_row_s = t_fc
+
+    Assumptions (the derived stages carry no measurement of them): the trunk's backward takes
+    ``ratio`` times its forward (:data:`BWD_FWD_RATIO`, 2), ``M`` passes of ``b / M`` examples
+    cost what one fused pass of ``b`` costs (no per-call overhead: session 5 measured the two
+    within 1-9 % on the AlexNet-style cell), and the FC rank's work is linear in its rows with
+    no fixed cost per call. Then the schedule's trunk stages sum to ``b t_conv`` and its head
+    stages to ``m b t_fc`` per step, as in the measured times.
+
+    Raises:
+        ValueError: ``ratio`` < 0.
     """
-    n, b, M, F = inp.world_size, inp.batch_size, max(1, inp.micro_batches), fc_workers
-    C = n - F
-    m = -(-C // F)
-    if inp.conv_fwd_mb_s > 0 or inp.conv_bwd_mb_s > 0:  # measured per micro-batch: the schedule itself
-        return _hourglass_scheduled(inp, F)
-    stages = {"conv_s": (b * inp.t_conv + b * inp.codec_s / 2) / M,
-              "wire_in_s": m * b * inp.act_bytes / inp.beta / M,
-              "fc_s": m * b * (inp.t_fc + inp.codec_s / 2) / M,
-              "wire_out_s": m * b * inp.grad_bytes / inp.beta / M}
-    share = {"conv_stage": cpu_share(inp, range(C)), "fc_stage": cpu_share(inp, range(C, n)),
-             "all": cpu_share(inp, range(n))}
-    alone = dict(stages, conv_s=stages["conv_s"] * share["conv_stage"], fc_s=stages["fc_s"] * share["fc_stage"])
-    both = cpu_bound_s(inp, {**{r: stages["conv_s"] for r in range(C)}, **{r: stages["fc_s"] for r in range(C, n)}})
-    pipe = sum(alone.values()) + (M - 1) * max(list(stages.values()) + [both])
-    sa = share["all"]
-    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, sa * inp.conv_compression_s)
-    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, sa * inp.fc_compression_s)
-    after = max(sa * inp.t_update_conv + ex_c["exchange_s"], sa * inp.t_update_fc + ex_f["exchange_s"])
-    t = pipe + after + 2 * M * inp.alpha
-    return {"layout": "hourglass", "fc_workers": F, "conv_workers": C, "convs_per_fc": m,
-            "stages_per_micro_batch_s": stages, "cpu_share": share, "overlap_cpu_bound_s": both, "pipeline_s": pipe,
-            "conv_exchange_s": ex_c["exchange_s"], "fc_exchange_s": ex_f["exchange_s"], "conv_exchange": ex_c,
-            "fc_exchange": ex_f, "update_conv_s": sa * inp.t_update_conv, "update_fc_s": sa * inp.t_update_fc,
-            "update_and_exchange_s": after, "step_s": t, "examples_per_step": C * b,
-            "throughput": C * b / t if t > 0 else float("inf")}
+    import dataclasses
+
+    if not float(ratio) >= 0:
+        raise ValueError(f"pipeline_stages: backward/forward ratio {ratio!r} must be >= 0")
+    if stages_measured(inp):
+        return inp
+    M, b = max(1, int(inp.micro_batches)), int(inp.batch_size)
+    per_mb = b * float(inp.t_conv) / M
+    return dataclasses.replace(inp, conv_fwd_mb_s=per_mb / (1.0 + ratio), conv_bwd_mb_s=per_mb * ratio / (1.0 + ratio),
+                               fc_call_s=0.0, fc_row_s=float(inp.t_fc))
+
+
+def predict_hourglass(inp: LayoutInputs, fc_workers: int) -> dict:
+    """The Hourglass step with ``F = fc_workers`` FC ranks: the ONE Hourglass prediction of hgsgc
+    (``layout: auto``, ``hourglass.fc_workers: auto``, ``Layout(..., "auto", cost=...)``,
+    ``hgsgc plan``).
+
+    :func:`pipeline_schedule` (the GPipe-style schedule of ``hgsgc.hourglass.step`` simulated
+    task by task, the CPU shared by processor sharing) on :func:`pipeline_stages` ``(inp)`` (the
+    stages per micro-batch as measured, or derived from ``t_conv``, ``t_fc`` with the backward
+    twice the forward), with each role's update + compression (CPU) and its gradient exchange's
+    wire + coordination (:func:`role_exchange` among ``C = n - F`` CONV / ``F`` FC ranks, the
+    exchange term of :func:`predict_step`) after its last compute task::
+
+        T(F) = the time both roles are done (every boundary message costs alpha + bytes / beta)
+
+    ``C b / T(F)`` examples per second. The closed form of sessions 3-4 (``S + (M - 1) max(s) +
+    max(update + exchange) + 2 M alpha``) is gone: with ``M = 1``, no shared CPU and the CONV
+    side's update + exchange the longer, it is this schedule on the derived stages (tested).
+
+    Returns:
+        ``{"layout": "hourglass", "fc_workers", "conv_workers", "convs_per_fc", "model":
+        "pipeline_schedule", "stages": "measured" | "derived", "schedule" (:func:`pipeline_schedule`),
+        "stages_per_micro_batch_s", "cpu_share", "pipeline_s" (end of the CONV ranks' last
+        backward), "conv_exchange_s", "fc_exchange_s", "conv_exchange", "fc_exchange",
+        "update_conv_s", "update_fc_s", "update_and_exchange_s", "step_s", "examples_per_step",
+        "throughput"}`` (seconds, examples per second).
+
+    Raises:
+        ValueError: ``fc_workers`` outside ``1 .. n - 1``.
+    """
+    out = _hourglass_scheduled(pipeline_stages(inp), int(fc_workers))
+    out["stages"] = "measured" if stages_measured(inp) else "derived"
+    return out
 
 
 def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float, float] = (0.0, 0.0),

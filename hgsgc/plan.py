@@ -11,8 +11,11 @@ at ``B``, it predicts with :mod:`hgsgc.perfmodel` (the one model of the project)
   FC ranks, the configured boundary codecs, for ``fc_workers`` 1 .. 4 and the model's best
   ``F`` in ``1 .. N/2``: :func:`hgsgc.perfmodel.predict_hourglass`, the function ``layout: auto``
   runs, on :class:`hgsgc.perfmodel.LayoutInputs` measured here like ``layout: auto`` measures
-  them (:func:`hgsgc.hourglass.auto.measure`; boundary bytes by
-  :func:`hgsgc.hourglass.costmodel.boundary_bytes`), with the link of the plan instead of a probe.
+  them (:func:`hgsgc.hourglass.auto.measure`; the stages per micro-batch by
+  :func:`hgsgc.hourglass.auto.measure_pipeline_stages`, so the prediction is the same
+  :func:`hgsgc.perfmodel.pipeline_schedule`; boundary bytes by
+  :func:`hgsgc.hourglass.costmodel.boundary_bytes`), with the link of the plan instead of a probe
+  and no CPU share (one rank per host).
 
 The Hourglass trains ``C b`` examples per step (``C = N - F`` CONV ranks), data parallelism
 ``N b``, so rows are ranked by the predicted seconds per ``N b`` examples (for data parallelism:
@@ -145,6 +148,7 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     act, grad = configured_codecs(h)
     x, _ = pm._random_batch(model, b)
     meas = auto.measure(split, x.numpy(), act, grad, repeats=max(1, reps), micro_batches=int(h.micro_batches))
+    stages = auto.measure_pipeline_stages(split, x.numpy(), int(h.micro_batches), nodes - 1, repeats=max(1, reps))
     cc, fcc = compression_from_config(cfg.compression), fc_compression_from_config(cfg)
     conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
     fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
@@ -162,7 +166,9 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
         dp_algorithm=cc.algorithm, conv_algorithm=cc.algorithm, fc_algorithm=fcc.algorithm,
         delay=int(cc.delay), fc_delay=int(fcc.delay), micro_batches=int(h.micro_batches),
         dp_compression_s=pm.compression_at(dp_cost, nodes, cc.algorithm),
-        t_update_conv=update * d_conv / (d_conv + d_fc), t_update_fc=update * d_fc / (d_conv + d_fc))
+        t_update_conv=update * d_conv / (d_conv + d_fc), t_update_fc=update * d_fc / (d_conv + d_fc),
+        conv_fwd_mb_s=stages["conv_fwd_mb_s"], conv_bwd_mb_s=stages["conv_bwd_mb_s"],
+        fc_call_s=stages["fc_call_s"], fc_row_s=stages["fc_row_s"])
     info = {"split_layer": split.boundary_layer,
             "features": int(split.features), "act_codec": act.name, "grad_codec": grad.name,
             "density_of_nonzero_activations": meas["density"], "conv_compression_cost": conv_cost,
@@ -172,7 +178,9 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     if log:
         log(f"plan: measured hourglass stages: t_conv {meas['t_conv'] * 1e6:.1f} us/example, "
             f"t_fc {meas['t_fc'] * 1e6:.1f} us/example, boundary {meas['act_bytes']:.0f} + "
-            f"{meas['grad_bytes']:.0f} B/example")
+            f"{meas['grad_bytes']:.0f} B/example; per micro-batch: trunk fwd {stages['conv_fwd_mb_s'] * 1e3:.2f} "
+            f"+ bwd {stages['conv_bwd_mb_s'] * 1e3:.2f} ms, FC rank {stages['fc_call_s'] * 1e3:.2f} ms + "
+            f"{stages['fc_row_s'] * 1e6:.1f} us/example")
     return inp, info
 
 
@@ -267,7 +275,9 @@ def format_plan(result: dict) -> str:
             f"{h['density_of_nonzero_activations']:.3f}), codec {hi['codec_s'] * 1e6:.1f} us/example, "
             f"t_conv {hi['t_conv'] * 1e6:.1f} us/example, t_fc {hi['t_fc'] * 1e6:.1f} us/example, "
             f"update {h['update_s'] * 1e3:.2f} ms/step split by parameters"
-            f"{_clamped(h)}, M {hi['micro_batches']}, "
+            f"{_clamped(h)}, M {hi['micro_batches']} (per micro-batch: trunk fwd "
+            f"{hi.get('conv_fwd_mb_s', 0.0) * 1e3:.2f} + bwd {hi.get('conv_bwd_mb_s', 0.0) * 1e3:.2f} ms, FC rank "
+            f"{hi.get('fc_call_s', 0.0) * 1e3:.2f} ms + {hi.get('fc_row_s', 0.0) * 1e6:.1f} us/example), "
             f"CONV exchange {hi['conv_payload']:.0f} B {hi['conv_algorithm']} H {hi['delay']}, FC exchange {h['fc_method']} "
             f"{hi['fc_payload']:.0f} B {hi['fc_algorithm']} H {hi['fc_delay']}")
     lines.append(f"{'rank':>4} {'layout / method':<20} {'algorithm':<15} {'H':>2} {'payload B':>11} {'compute':>8} "
@@ -284,9 +294,10 @@ def format_plan(result: dict) -> str:
                      f"{r['coordination_s'] * 1e3:>7.2f} {r['step_s'] * 1e3:>9.1f} {r['examples_per_step']:>7} "
                      f"{r['s_per_global_batch'] * 1e3:>9.1f} {r['s_per_global_batch'] / best:>7.2f} {ttt:>10}")
     lines.append("(ms; exchange terms divided by the delay H. Ranked by ms per N b examples: the Hourglass "
-                 "trains (N - F) b per step. Hourglass rows: compute = the GPipe pipeline (trunk, head, codecs, "
-                 "boundary wire), exchange columns = the slower role's; the step adds that role's update and "
-                 "2 M alpha. Time to target needs quality curves: --steps-to-target FILE.json)")
+                 "trains (N - F) b per step. Hourglass rows: compute = the GPipe schedule up to the CONV ranks' last "
+                 "backward (perfmodel.pipeline_schedule on the stages measured per micro-batch: trunk, head, "
+                 "codecs, boundary wire), exchange columns = the slower role's; the step ends when both roles "
+                 "have updated and exchanged. Time to target needs quality curves: --steps-to-target FILE.json)")
     return "\n".join(lines)
 
 

@@ -161,11 +161,15 @@ def test_cost_model_formula():
     t = stage_times(inp, 5, 2)  # C = 3, m = 2
     assert t["conv_workers"] == 3 and t["convs_per_fc"] == 2
     M = 2
-    st = [(10 * 2e-3 + 10 * 1e-5 / 2) / M, 2 * 10 * 100 / 1e6 / M, 2 * 10 * (5e-4 + 1e-5 / 2) / M,
-          2 * 10 * 96 / 1e6 / M]
     conv = ((3 - 1) * 1000 / 1e6 + 0.004 / 2) / 2           # allgather among 3, delay 2
     fc = 2 * (2 - 1) / 2 * 4000 / 1e6 + 0.004 / 2           # ring among 2
-    want = sum(st) + (M - 1) * max(st) + max(conv, fc)
+    # the GPipe schedule on the stages derived from t_conv, t_fc (CostInputs without measured
+    # stages; tests/gpipe_reference.py), each role's exchange after its last compute task
+    from gpipe_reference import derived_stages, gpipe_step
+
+    want, _ = gpipe_step(10, M, 2, derived_stages(10, M, 2e-3, 5e-4), 1e-5, 0.0, 1e6, 100.0, 96.0,
+                         conv_post=(0.0, conv), fc_post=(0.0, fc))
+    assert t["stages"] == "derived"
     assert math.isclose(t["T_step_s"], want, rel_tol=1e-12)
     assert math.isclose(t["conv_exchange_s"], conv, rel_tol=1e-12) and math.isclose(t["fc_exchange_s"], fc, rel_tol=1e-12)
     assert math.isclose(t["throughput"], 30 / want, rel_tol=1e-12)

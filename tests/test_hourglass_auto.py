@@ -43,27 +43,36 @@ def test_data_parallel_formula():
 
 @pytest.mark.parametrize("M", [1, 4])
 def test_hourglass_formula(M):
+    """The Hourglass step is the GPipe schedule on the stages derived from t_conv, t_fc
+    (gpipe_reference: the longest path by hand, backward 2x forward), then each role's update +
+    exchange (wire + coordination by hand)."""
+    from gpipe_reference import derived_stages, gpipe_step
+
     i = _inputs(micro_batches=M)
     p = predict_hourglass(i, 1)
     b, m = 32, 3
-    s = [(b * i.t_conv + b * i.codec_s / 2) / M, m * b * i.act_bytes / i.beta / M,
-         m * b * (i.t_fc + i.codec_s / 2) / M, m * b * i.grad_bytes / i.beta / M]
+    st = derived_stages(b, M, i.t_conv, i.t_fc)
     ex_c = 2 * 2 * i.alpha + 2 * 2 / 3 * i.conv_payload / i.beta + _coord(3, i.alpha)  # ring among C = 3
-    want = sum(s) + (M - 1) * max(s) + max(ex_c, 0.0) + 2 * M * i.alpha
+    want, _ = gpipe_step(b, M, m, st, i.codec_s, i.alpha, i.beta, i.act_bytes, i.grad_bytes, conv_post=(0.0, ex_c))
+    assert p["stages"] == "derived" and p["model"] == "pipeline_schedule"
     assert p["step_s"] == pytest.approx(want, rel=1e-12)
     assert p["throughput"] == pytest.approx(3 * 32 / want, rel=1e-12)
+    if M == 1:   # nothing overlaps: the stages in series, as the closed form of sessions 3-4 had it
+        s = [b * i.t_conv + b * i.codec_s / 2, m * b * i.act_bytes / i.beta, m * b * (i.t_fc + i.codec_s / 2),
+             m * b * i.grad_bytes / i.beta]
+        assert want == pytest.approx(sum(s) + ex_c + 2 * i.alpha, rel=1e-12)
     p2 = predict_hourglass(i, 2)                                      # 2 FC ranks: m = 1, FC ring of 2
     assert p2["convs_per_fc"] == 1 and p2["fc_exchange_s"] == pytest.approx(
         2 * i.alpha + i.fc_payload / i.beta + _coord(2, i.alpha))
-    # updates, compression and the Horovod cycle: each role's update + exchange, the slower counts
+    # updates, compression and the Horovod cycle: each role's update + exchange after its own last
+    # compute task (the FC rank's starts while the CONV ranks still run their backwards)
     j = _inputs(micro_batches=M, cycle_s=0.005, conv_compression_s=1e-3, fc_compression_s=4e-3,
                 t_update_conv=2e-3, t_update_fc=1e-2, fc_algorithm="allgather", fc_payload=5000.0, fc_delay=2)
     q = predict_hourglass(j, 2)
-    s2 = [(b * j.t_conv + b * j.codec_s / 2) / M, b * j.act_bytes / j.beta / M,        # m = 1
-          b * (j.t_fc + j.codec_s / 2) / M, b * j.grad_bytes / j.beta / M]
-    e_c = 1e-3 + 2 * j.alpha + j.conv_payload / j.beta + _coord(2, j.alpha, 0.005)
-    e_f = (4e-3 + j.alpha + 5000.0 / j.beta + _coord(2, j.alpha, 0.005, True)) / 2
-    want2 = sum(s2) + (M - 1) * max(s2) + max(2e-3 + e_c, 1e-2 + e_f) + 2 * M * j.alpha
+    w_c = 2 * j.alpha + j.conv_payload / j.beta + _coord(2, j.alpha, 0.005)
+    w_f = (j.alpha + 5000.0 / j.beta + _coord(2, j.alpha, 0.005, True)) / 2
+    want2, _ = gpipe_step(b, M, 1, derived_stages(b, M, j.t_conv, j.t_fc), j.codec_s, j.alpha, j.beta,
+                          j.act_bytes, j.grad_bytes, conv_post=(2e-3 + 1e-3, w_c), fc_post=(1e-2 + 4e-3 / 2, w_f))
     assert q["step_s"] == pytest.approx(want2, rel=1e-12)
     assert predict_hourglass(j, 1)["fc_exchange_s"] == 0.0          # a lone FC rank exchanges nothing
 

@@ -77,18 +77,37 @@ def test_three_conv_ranks_on_two_cores_run_at_two_thirds():
     assert pipeline_schedule(i, 1, conv_post=(1e-3, 2e-3))["step_s"] == pytest.approx(want, rel=1e-12)
 
 
-def test_closed_form_is_the_schedule_in_series():
-    # M 1, no share, the head per micro-batch = m b t_fc, the trunk = b t_conv: the schedule is the
-    # closed form's series (stages + the CONV ranks' update and exchange + 2 alpha) whenever the FC
-    # rank's own update and exchange end first.
-    closed = _inputs(micro_batches=1, conv_fwd_mb_s=0.0, conv_bwd_mb_s=0.0, fc_call_s=0.0, fc_row_s=0.0,
-                     codec_s=2e-6, t_update_conv=1e-3, t_update_fc=0.5e-3, fc_payload=1000.0)
-    sched = dataclasses.replace(closed, conv_fwd_mb_s=32 * 300e-6 / 3, conv_bwd_mb_s=32 * 300e-6 * 2 / 3,
+def test_unmeasured_stages_are_derived_for_the_same_schedule():
+    # stages per micro-batch not given (hgsgc plan from a config, Layout(..., cost=...)): the trunk
+    # of b t_conv split 1 : 2 into forward and backward, the head m r t_fc without a per-call
+    # cost; the prediction is the schedule on exactly those stages (no second model)
+    derived = _inputs(micro_batches=1, conv_fwd_mb_s=0.0, conv_bwd_mb_s=0.0, fc_call_s=0.0, fc_row_s=0.0,
+                      codec_s=2e-6, t_update_conv=1e-3, t_update_fc=0.5e-3, fc_payload=1000.0)
+    given = dataclasses.replace(derived, conv_fwd_mb_s=32 * 300e-6 / 3, conv_bwd_mb_s=32 * 300e-6 * 2 / 3,
                                 fc_row_s=200e-6)
-    a, b_ = predict_hourglass(closed, 2), predict_hourglass(sched, 2)     # F 2: C 2, m 1, FC ring of 2
-    assert "model" not in a and b_["model"] == "pipeline_schedule"
-    assert a["update_conv_s"] + a["conv_exchange_s"] > a["update_fc_s"] + a["fc_exchange_s"]  # CONV side longer
-    assert b_["step_s"] == pytest.approx(a["step_s"], rel=1e-12)
+    assert pm.pipeline_stages(derived) == given and pm.pipeline_stages(given) is given
+    a, b_ = predict_hourglass(derived, 2), predict_hourglass(given, 2)     # F 2: C 2, m 1, FC ring of 2
+    assert a["model"] == b_["model"] == "pipeline_schedule"
+    assert (a["stages"], b_["stages"]) == ("derived", "measured")
+    assert a["step_s"] == b_["step_s"]
+    # M 1, one rank per machine, the CONV side's update + exchange the longer: the stages in series
+    # (the closed form of sessions 3-4): trunk, wire in, head, wire out, CONV update + exchange
+    assert a["update_conv_s"] + a["conv_exchange_s"] > a["update_fc_s"] + a["fc_exchange_s"]
+    series = (32 * 300e-6 + 32 * 2e-6 / 2 + 2 * 20e-6 + 32 * (100.0 + 80.0) / 12.5e6 + 32 * (200e-6 + 1e-6)
+              + 1e-3 + a["conv_exchange_s"])
+    assert a["step_s"] == pytest.approx(series, rel=1e-12)
+    # M 2: derived stages, checked against the GPipe recursion by hand (tests/gpipe_reference.py)
+    from gpipe_reference import derived_stages, gpipe_step
+
+    d2 = dataclasses.replace(derived, micro_batches=2)
+    p = predict_hourglass(d2, 1)
+    ex = p["conv_exchange"]
+    want, _ = gpipe_step(32, 2, 3, derived_stages(32, 2, 300e-6, 200e-6), 2e-6, 20e-6, 12.5e6, 100.0, 80.0,
+                         conv_post=(1e-3 + ex["compression_s"], ex["wire_s"] + ex["coordination_s"]),
+                         fc_post=(0.5e-3, 0.0))
+    assert p["step_s"] == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="ratio"):
+        pm.pipeline_stages(derived, ratio=-1.0)
 
 
 def test_choice_follows_the_scheduled_model_on_fixed_inputs():

@@ -302,17 +302,25 @@ def test_pinned_layout_predictions():
     dp = pm.predict_data_parallel(inp)
     assert dp["step_s"] == pytest.approx(16 * 2.5e-3 + (_want_exchange(6, 2.5e6, "tree", link) + coord(6)) / 2,
                                          rel=1e-12)
+    from gpipe_reference import derived_stages, gpipe_step
+
     for F in (1, 2, 3):
+        # the GPipe schedule's longest path on the stages derived from t_conv, t_fc (backward 2x
+        # forward), each role's exchange after its last compute task (was the closed form until
+        # session 6: the FC rank's exchange now overlaps the CONV ranks' backwards)
         C, M = 6 - F, 4
         m = -(-C // F)
-        s = [(16 * 2e-3 + 16 * 1e-5) / M, m * 16 * 1200 / 1.2e7 / M, m * 16 * (5e-4 + 1e-5) / M,
-             m * 16 * 1024 / 1.2e7 / M]
-        ex = max((_want_exchange(C, 9000.0, "allgather", link) + coord(C, True)) / 2,
-                 _want_exchange(F, 2.4e6, "ring", link) + coord(F))
-        want = sum(s) + (M - 1) * max(s) + ex + 2 * M * 1e-4
+        want, _ = gpipe_step(16, M, m, derived_stages(16, M, 2e-3, 5e-4), 2e-5, 1e-4, 1.2e7, 1200.0, 1024.0,
+                             conv_post=(0.0, (_want_exchange(C, 9000.0, "allgather", link) + coord(C, True)) / 2),
+                             fc_post=(0.0, _want_exchange(F, 2.4e6, "ring", link) + coord(F)))
         got = pm.predict_hourglass(inp, F)
         assert got["step_s"] == pytest.approx(want, rel=1e-12), F
         assert got["throughput"] == pytest.approx(C * 16 / want, rel=1e-12), F
+
+
+#: Stages per micro-batch of the plan test (as auto.measure_pipeline_stages returns them):
+#: trunk forward / backward of b / M = 16 examples, the FC rank's call and per-row seconds.
+STAGES = (3e-3, 5e-3, 1e-3, 2.5e-4)
 
 
 def test_plan_ranks_methods_and_layouts_by_the_model():
@@ -348,7 +356,8 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
                           dp_payload=float(P), conv_payload=float(sgc.payload_bytes(conv_shapes)),
                           fc_payload=float(4 * d_fc), dp_algorithm="allgather", conv_algorithm="allgather",
                           fc_algorithm="ring", micro_batches=2, dp_compression_s=4e-3 + 3e-3,
-                          t_update_conv=u * d_conv / (d_conv + d_fc), t_update_fc=u * d_fc / (d_conv + d_fc))
+                          t_update_conv=u * d_conv / (d_conv + d_fc), t_update_fc=u * d_fc / (d_conv + d_fc),
+                          **dict(zip(("conv_fwd_mb_s", "conv_bwd_mb_s", "fc_call_s", "fc_row_s"), STAGES)))
     # one model: data parallelism predicted from the Hourglass inputs is the SGC row
     assert pm.predict_data_parallel(inp)["step_s"] == pytest.approx(want_sgc, rel=1e-12)
     conv_cost, fc_cost = {"base_s": 1e-3, "per_payload_s": 5e-4}, {"base_s": 0.0, "per_payload_s": 0.0}
@@ -356,10 +365,11 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
     fcs = plan_mod.fc_workers_to_list(at, n)
     assert fcs == [1, 2]
     want_h = {}
+    from gpipe_reference import gpipe_step
+
     for F in fcs:
         C, M = n - F, 2
         m = -(-C // F)
-        st = [b * t_conv / M, m * b * 100.0 / beta / M, m * b * t_fc / M, m * b * 96.0 / beta / M]
         Pc = inp.conv_payload
         # CONV allgatherv of Pc = 23 B: 3 ranks: gatherv + bcast (2 + 2 messages, 2 Pc + 2 * 3 Pc,
         # one-way), negotiation by recursive doubling with a fold (3 messages); 2 ranks: one swap each
@@ -367,7 +377,11 @@ def test_plan_ranks_methods_and_layouts_by_the_model():
         wire_c, neg_c = {3: (4 * alpha + 8 * Pc / beta, 3), 2: (alpha + Pc / (beta / 2), 1)}[C]
         e_c = 1e-3 + (C - 1) * 5e-4 + wire_c + cyc / 2 + neg_c * alpha
         e_f = 0.0 if F == 1 else (2 * alpha + 4 * d_fc / (beta / 2) + cyc / 2 + alpha)   # ring of 2: pairwise
-        want_h[F] = sum(st) + (M - 1) * max(st) + max(inp.t_update_conv + e_c, inp.t_update_fc + e_f) + 2 * M * alpha
+        # the GPipe schedule (longest path) on the stages per micro-batch plan measured (fixed here)
+        comp_c = 1e-3 + (C - 1) * 5e-4
+        want_h[F], _ = gpipe_step(b, M, m, STAGES, 0.0, alpha, beta, 100.0, 96.0,
+                                  conv_post=(inp.t_update_conv + comp_c, e_c - comp_c),
+                                  fc_post=(inp.t_update_fc, e_f))
         rows.append(plan_mod.hourglass_row(at(F), F, "sgc"))
         assert rows[-1]["step_s"] == pytest.approx(want_h[F], rel=1e-12), F
     ranked = plan_mod.rank_rows(rows, n, b, steps_to_target={"sgc": 1000, "hourglass_F1": None})

@@ -4,8 +4,10 @@
 does (:func:`hgsgc.hourglass.auto.choose` with ``hourglass_only=True``: compression, updates,
 CPU share and the stages per micro-batch, then :func:`hgsgc.perfmodel.pipeline_schedule`). This
 module keeps the lower-level path of :class:`~hgsgc.hourglass.layout.Layout` ``(comm, "auto",
-cost=...)`` called directly (the closed form of :func:`hgsgc.perfmodel.predict_hourglass` on
-:class:`CostInputs`), and the pieces both paths share (the link probe, boundary bytes, codecs).
+cost=...)`` called directly (:func:`hgsgc.perfmodel.predict_hourglass`, the same schedule, on
+:class:`CostInputs`: the stages per micro-batch as given in them, else derived from ``t_conv``,
+``t_fc`` by :func:`hgsgc.perfmodel.pipeline_stages`; no compression, update or CPU share), and
+the pieces both paths share (the link probe, boundary bytes, codecs).
 
 Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field medians:
 
@@ -118,7 +120,10 @@ def boundary_bytes(act_codec, grad_codec, nonzero, micro_batches: int = 1) -> Tu
 @dataclass(frozen=True)
 class CostInputs:
     """Measured and derived inputs of ``fc_workers: auto`` (see the module docstring; seconds,
-    bytes, bytes per second)."""
+    bytes, bytes per second). ``conv_fwd_mb_s``, ``conv_bwd_mb_s``, ``fc_call_s``, ``fc_row_s``:
+    the stages per micro-batch (:class:`hgsgc.perfmodel.LayoutInputs`, measured by
+    :func:`hgsgc.hourglass.auto.measure_pipeline_stages`); all 0 (the default): derived from
+    ``t_conv``, ``t_fc`` (:func:`hgsgc.perfmodel.pipeline_stages`)."""
 
     t_conv: float
     t_fc: float
@@ -136,6 +141,10 @@ class CostInputs:
     micro_batches: int = 1
     cycle_s: float = 0.0
     alpha: float = 0.0
+    conv_fwd_mb_s: float = 0.0
+    conv_bwd_mb_s: float = 0.0
+    fc_call_s: float = 0.0
+    fc_row_s: float = 0.0
 
     @staticmethod
     def median(items: List["CostInputs"]) -> "CostInputs":
@@ -261,8 +270,8 @@ def describe_link(link: dict) -> str:
 
 def layout_inputs(inp: CostInputs, world_size: int):
     """``inp`` as :class:`hgsgc.perfmodel.LayoutInputs` for ``world_size`` ranks (``alpha`` and
-    ``beta = bandwidth`` of the link, :func:`with_link`; no data-parallel candidate, so
-    ``dp_payload`` is the sum of the two payloads)."""
+    ``beta = bandwidth`` of the link, :func:`with_link`; the stages per micro-batch as given, 0
+    for derived; no data-parallel candidate, so ``dp_payload`` is the sum of the two payloads)."""
     from hgsgc import perfmodel
 
     return perfmodel.LayoutInputs(
@@ -271,7 +280,8 @@ def layout_inputs(inp: CostInputs, world_size: int):
         beta=inp.bandwidth, dp_payload=inp.conv_payload + inp.fc_payload, conv_payload=inp.conv_payload,
         fc_payload=inp.fc_payload, dp_algorithm=inp.conv_exchange, conv_algorithm=inp.conv_exchange,
         fc_algorithm=inp.fc_exchange, delay=int(inp.conv_delay), fc_delay=int(inp.fc_delay),
-        micro_batches=int(inp.micro_batches), cycle_s=inp.cycle_s)
+        micro_batches=int(inp.micro_batches), cycle_s=inp.cycle_s, conv_fwd_mb_s=inp.conv_fwd_mb_s,
+        conv_bwd_mb_s=inp.conv_bwd_mb_s, fc_call_s=inp.fc_call_s, fc_row_s=inp.fc_row_s)
 
 
 def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:
@@ -324,7 +334,8 @@ def format_report(report: dict) -> str:
     for c in report["candidates"]:
         lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
                      f"pipeline {c['pipeline_s'] * 1e3:.2f} ms, CONV exchange {c['conv_exchange_s'] * 1e3:.2f} ms, "
-                     f"FC exchange {c['fc_exchange_s'] * 1e3:.2f} ms, step {c['step_s'] * 1e3:.2f} ms, "
+                     f"FC exchange {c['fc_exchange_s'] * 1e3:.2f} ms, step {c['step_s'] * 1e3:.2f} ms "
+                     f"({c.get('stages', 'measured')} stages per micro-batch), "
                      f"{c['throughput']:.0f} examples/s")
     lines.append(f"hourglass cost model: fc_workers=auto -> {report['fc_workers']} FC ranks")
     return "\n".join(lines)
