@@ -123,11 +123,15 @@ def test_layout_auto_measures_compression_update_and_share(result):
     # the measured slowdown), never more than its affinity cores
     tog = meas["together"]
     assert len(tog["trunk_pass_s"]) == 3 and min(tog["trunk_pass_s"]) > 0
-    from hgsgc.hourglass.auto import effective_cores
+    from hgsgc.hourglass.auto import TOGETHER_WINDOWS, effective_cores, slowdown_windows
 
-    cores, slow = effective_cores([0, 0, 0], meas["machines"]["machine_cores"],
-                                  [p["t_conv"] * 8 for p in meas["per_rank"]], tog["trunk_pass_s"],
-                                  i["cpu_parallelism"])
+    # every window of every rank recorded; the slowdown is the median window (auto.slowdown_windows)
+    assert [len(w) for w in tog["trunk_pass_windows_s"]] == [TOGETHER_WINDOWS] * 3 == [tog["windows"]] * 3
+    alone = [p["t_conv"] * 8 for p in meas["per_rank"]]
+    cores, slow = effective_cores([0, 0, 0], meas["machines"]["machine_cores"], alone,
+                                  tog["trunk_pass_windows_s"], i["cpu_parallelism"])
+    sw = slowdown_windows([0, 0, 0], alone, tog["trunk_pass_windows_s"])
+    assert tog["slowdown_per_window"] == sw["per_window"] and tog["slowdown_spread_per_machine"] == sw["spread"]
     assert i["machine_cores"] == tog["effective_cores"] == cores and tog["slowdown_per_machine"] == slow
     assert 0 < i["machine_cores"][0] <= meas["machines"]["machine_cores"][0]
     assert i["cpu_parallelism"] > 0 and i["t_update_conv"] > 0 and i["t_update_fc"] > 0

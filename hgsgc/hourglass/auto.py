@@ -39,7 +39,8 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   :func:`hgsgc.perfmodel.cpu_share` scales the times measured alone to what they cost when the
   co-located ranks compute at once (1 with one rank per machine). Since session 5 a machine's
   cores are the cores its ranks GET when they all compute (:func:`effective_cores`): after the
-  turns, every rank runs the trunk pass at once (:func:`measure_together`), and the slowdown
+  turns, every rank runs the trunk pass at once (:func:`measure_together`; since session 6 in 5
+  windows 0.25 s apart, the median window counting, :func:`slowdown_windows`), and the slowdown
   against the rank alone sets ``P_m = min(affinity cores, u k_m / slowdown)``, so that other
   jobs on the machine and the ranks' own background threads count (they are not in the
   affinity masks).
@@ -242,44 +243,138 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
             "fc_call_s": max(0.0, t1 - r * row), "fc_row_s": row}
 
 
-def measure_together(comm, split, x: np.ndarray, repeats: int = 5) -> float:
-    """Seconds of one trunk forward + backward pass of the batch ``x`` while EVERY rank of ``comm``
-    runs it at the same time (collective): the contention the ranks meet when they compute at
-    once, on their machines' cores with whatever else runs there (other jobs, the ranks' own
-    background threads), which :func:`choose` turns into each machine's effective cores.
+#: Windows of :func:`measure_together` (odd, so the median is one window's value), timed calls
+#: per window and seconds between windows. Session 5 measured the contention in ONE window of 5
+#: calls; at 1 Gbit/s it caught a load spike (12.7x against 3.1-4.9x in the other runs) that
+#: made every prediction 2-3.5x too long. With 5 windows spread over about a second the median
+#: ignores up to 2 windows that a spike distorts.
+TOGETHER_WINDOWS = 5
+TOGETHER_REPEATS = 3
+TOGETHER_GAP_S = 0.25
 
-    The pass is traced before a ``Barrier``; after it, one untimed call and the median of
-    ``repeats`` timed calls (:func:`~hgsgc.hourglass.costmodel.median_seconds`).
+
+def together_windows(comm, fn, windows: int = TOGETHER_WINDOWS, repeats: int = TOGETHER_REPEATS,
+                     gap_s: float = TOGETHER_GAP_S, clock=None, sleep=None) -> list:
+    """Time ``fn()`` in ``windows`` windows on every rank of ``comm`` at once; collective.
+
+    Each window: ``comm.Barrier()`` (so the ranks' windows coincide), one untimed call, then
+    ``repeats`` timed calls; the window's value is the median of its calls (``clock()`` after
+    minus before each call; ``fn`` must return only when its work is done). Between windows the
+    rank sleeps ``gap_s`` seconds (``sleep``), so the windows sample the load at different times.
+
+    Args:
+        comm: an mpi4py communicator (only ``Barrier`` is used).
+        fn: zero-argument callable, the work to time.
+        windows, repeats: >= 1. clock: seconds, default ``time.perf_counter``; sleep: default
+            ``time.sleep`` (both injectable for tests).
+
+    Returns:
+        ``[seconds per call, one per window]`` (floats, in window order).
+
+    Raises:
+        ValueError: ``windows`` or ``repeats`` < 1, ``gap_s`` < 0.
+    """
+    import time
+
+    if int(windows) < 1 or int(repeats) < 1 or not float(gap_s) >= 0:
+        raise ValueError(f"together_windows: windows={windows}, repeats={repeats} must be >= 1 and "
+                         f"gap_s={gap_s} >= 0")
+    clock = clock or time.perf_counter
+    sleep = sleep or time.sleep
+    out = []
+    for w in range(int(windows)):
+        if w:
+            sleep(float(gap_s))
+        comm.Barrier()
+        fn()
+        ts = []
+        for _ in range(int(repeats)):
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        out.append(float(np.median(ts)))
+    return out
+
+
+def measure_together(comm, split, x: np.ndarray, windows: int = TOGETHER_WINDOWS,
+                     repeats: int = TOGETHER_REPEATS, gap_s: float = TOGETHER_GAP_S) -> list:
+    """Seconds of one trunk forward + backward pass of the batch ``x`` while EVERY rank of ``comm``
+    runs it at the same time (collective), in ``windows`` windows (:func:`together_windows`): the
+    contention the ranks meet when they compute at once, on their machines' cores with whatever
+    else runs there (other jobs, the ranks' own background threads), which :func:`choose` turns
+    into each machine's effective cores (:func:`effective_cores`).
+
+    The pass is traced before the first window's barrier. Returns ``[seconds per pass, one per
+    window]``.
     """
     import tensorflow as tf
 
-    from hgsgc.hourglass.costmodel import median_seconds, stage_passes
+    from hgsgc.hourglass.costmodel import stage_passes
 
     conv_pass, _ = stage_passes(split)
     xt = tf.constant(x)
     float(tf.reduce_sum(conv_pass(xt)[0]))  # tracing, before the barrier
-    comm.Barrier()
-    return median_seconds(conv_pass, (xt,), repeats)
+    return together_windows(comm, lambda: float(tf.reduce_sum(conv_pass(xt)[0])), windows, repeats, gap_s)
+
+
+def slowdown_windows(machine_of, alone_s, together_s) -> dict:
+    """The contention per machine and window, and the robust statistic :func:`effective_cores` uses.
+
+    With ``together_s[r]`` rank ``r``'s window values (:func:`measure_together`; a single float
+    is one window) and ``alone_s[r]`` its seconds for the same pass alone: in window ``w`` machine
+    ``m``'s slowdown is ``s_{m,w} = median over the ranks r of m of together_s[r][w] / alone_s[r]``,
+    and ``s_m = median over w of s_{m,w}`` (windows missing on a rank are left out).
+
+    Why the median over windows: a load spike (another job's burst) slows the windows it
+    overlaps; the median of ``W`` windows is unchanged by up to ``(W - 1) / 2`` of them, while
+    the mean moves with every one. It estimates the typical contention of the minutes the
+    measurement samples, not the load the job will meet later.
+
+    Returns:
+        ``{"per_window": [[s_{m,w} for each window] for each machine], "median": [s_m], "min":
+        [...], "max": [...], "spread": [max / min per machine]}`` (floats).
+
+    Raises:
+        ValueError: a rank without window values, or ``alone_s[r] <= 0``.
+    """
+    tog = [list(t) if isinstance(t, (list, tuple)) else [float(t)] for t in together_s]
+    if any(not t for t in tog) or any(not float(a) > 0 for a in alone_s):
+        raise ValueError("slowdown_windows needs >= 1 window value per rank and alone seconds > 0")
+    per_window, med, lo, hi, spread = [], [], [], [], []
+    for m in range(max(machine_of) + 1 if len(machine_of) else 0):
+        ranks = [r for r, mm in enumerate(machine_of) if mm == m]
+        W = max(len(tog[r]) for r in ranks)
+        sw = [float(np.median([tog[r][w] / alone_s[r] for r in ranks if w < len(tog[r])])) for w in range(W)]
+        per_window.append(sw)
+        med.append(float(np.median(sw)))
+        lo.append(min(sw))
+        hi.append(max(sw))
+        spread.append(max(sw) / min(sw) if min(sw) > 0 else float("inf"))
+    return {"per_window": per_window, "median": med, "min": lo, "max": hi, "spread": spread}
 
 
 def effective_cores(machine_of, affinity_cores, alone_s, together_s, u: float):
     """Each machine's cores as its ranks get them when they all compute: with ``k_m`` ranks on
-    machine ``m`` and ``s_m`` the median over them of ``together_s[r] / alone_s[r]`` (the slowdown
-    of the same pass run by all ranks at once against the rank alone, :func:`measure_together`),
+    machine ``m`` and ``s_m`` its slowdown (:func:`slowdown_windows`: the median over the
+    windows of :func:`measure_together` of the median over the machine's ranks of
+    ``together / alone``; one float per rank is one window),
     ``P_m = min(affinity_cores[m], u k_m / s_m)``, so that :func:`hgsgc.perfmodel.cpu_share` of
     all ranks is the measured slowdown ``s_m`` (or 1 where ``u k_m`` fits on the affinity cores).
     ``s_m <= 1`` (no contention seen): ``P_m = affinity_cores[m]`` (share 1 when ``u k_m`` fits).
 
     Returns:
         ``(cores per machine, slowdown per machine)`` (lists of floats).
+
+    Raises:
+        ValueError: as :func:`slowdown_windows`.
     """
-    cores, slow = [], []
+    slow = slowdown_windows(machine_of, alone_s, together_s)["median"]
+    cores = []
     for m, aff in enumerate(affinity_cores):
-        ranks = [r for r, mm in enumerate(machine_of) if mm == m]
-        s_m = float(np.median([together_s[r] / alone_s[r] for r in ranks]))
-        slow.append(s_m)
-        cores.append(float(aff) if s_m <= 1.0 else float(min(aff, u * len(ranks) / s_m)))
-    return cores, slow
+        k = sum(1 for mm in machine_of if mm == m)
+        s_m = slow[m] if m < len(slow) else 1.0
+        cores.append(float(aff) if s_m <= 1.0 else float(min(aff, u * k / s_m)))
+    return cores, [float(x) for x in slow]
 
 
 def measure_compression_and_update(conv_shapes, fc_shapes, compression, fc_compression,
@@ -411,9 +506,11 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
         meas = _median_measurements([m for m, _ in gathered])
         cost = meas["compression_cost"]
         n = comm.Get_size()
-        cores, slowdown = effective_cores(
-            machines["machine_of"], machines["machine_cores"], [m["t_conv"] * len(x) for m, _ in gathered],
-            [t for t, _ in together_all], meas["cpu_parallelism"])
+        alone = [m["t_conv"] * len(x) for m, _ in gathered]
+        windows = [t for t, _ in together_all]
+        cores, slowdown = effective_cores(machines["machine_of"], machines["machine_cores"], alone, windows,
+                                          meas["cpu_parallelism"])
+        contention = slowdown_windows(machines["machine_of"], alone, windows)
         inputs = perfmodel.LayoutInputs(
             world_size=n, batch_size=len(x), t_conv=meas["t_conv"], t_fc=meas["t_fc"],
             act_bytes=meas["act_bytes"], grad_bytes=meas["grad_bytes"], codec_s=meas["codec_s"],
@@ -435,7 +532,13 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
         report["setting"] = "fc_workers=auto" if hourglass_only else "layout=auto"
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
                               "compression_cost": cost, "machines": machines,
-                              "together": {"trunk_pass_s": [t for t, _ in together_all],
+                              "together": {"trunk_pass_windows_s": windows,
+                                           "trunk_pass_s": [float(np.median(w)) for w in windows],
+                                           "slowdown_per_window": contention["per_window"],
+                                           "slowdown_spread_per_machine": contention["spread"],
+                                           "statistic": "median over windows of the median over a "
+                                                        "machine's ranks of together / alone",
+                                           "windows": len(contention["per_window"][0]), "gap_s": TOGETHER_GAP_S,
                                            "slowdown_per_machine": slowdown, "effective_cores": cores},
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
                               "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
@@ -444,7 +547,12 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     if log is not None and comm.Get_rank() == 0:
         from hgsgc.hourglass.costmodel import describe_link
 
-        log(perfmodel.format_layout_report(report) + f"\nlink: {describe_link(link)}")
+        tog = report["measured"]["together"]
+        log(perfmodel.format_layout_report(report) + f"\nlink: {describe_link(link)}\ncontention, all ranks "
+            f"at once / alone, per machine: windows " + "; ".join(
+                " ".join(f"{v:.2f}" for v in sw) for sw in tog["slowdown_per_window"])
+            + f" -> median {[round(v, 2) for v in tog['slowdown_per_machine']]}, spread (max/min) "
+            f"{[round(v, 2) for v in tog['slowdown_spread_per_machine']]}")
     return report
 
 
