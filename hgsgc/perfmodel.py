@@ -62,6 +62,11 @@ class LayoutInputs:
             alone (CPU seconds per wall second, measured). Every time above that is CPU work
             (``t_conv``, ``t_fc``, ``codec_s``, compression, updates) is measured on a rank
             computing ALONE on its machine; the predictions scale it by the share.
+        wait_cpu_cores: ``w``, the cores a rank keeps busy while it WAITS (not computing: in
+            hgsgc's poll loop or a Horovod collective, Horovod's background thread cycling;
+            CPU seconds per wall second, measured by :func:`hgsgc.hourglass.auto.measure_wait_cpu`);
+            it loads the machine's cores in :func:`cpu_share` and :func:`pipeline_schedule`.
+            0 (the default): waiting ranks use no CPU.
 
     Raises:
         ValueError: a ``machine_of`` of the wrong length, a machine without its cores, cores
@@ -100,6 +105,7 @@ class LayoutInputs:
     conv_bwd_mb_s: float = 0.0
     fc_call_s: float = 0.0
     fc_row_s: float = 0.0
+    wait_cpu_cores: float = 0.0
 
     def __post_init__(self):
         mo, mc = tuple(int(m) for m in self.machine_of), tuple(float(c) for c in self.machine_cores)
@@ -108,6 +114,9 @@ class LayoutInputs:
         if not float(self.cpu_parallelism) > 0:
             raise ValueError(f"LayoutInputs.cpu_parallelism={self.cpu_parallelism!r} must be > 0 "
                              f"(cores a rank keeps busy alone; 1.0 for one thread)")
+        if not float(self.wait_cpu_cores) >= 0:
+            raise ValueError(f"LayoutInputs.wait_cpu_cores={self.wait_cpu_cores!r} must be >= 0 "
+                             f"(cores a waiting rank keeps busy; 0: none)")
         if mo:
             if len(mo) != int(self.world_size):
                 raise ValueError(f"LayoutInputs.machine_of has {len(mo)} entries for world_size "
@@ -158,22 +167,41 @@ def role_exchange(inp: LayoutInputs, k: int, payload: float, algorithm: str, del
             "coordination_s": p["coordination_s"], "exchange_s": p["step_s"]}
 
 
+def machine_load(inp: LayoutInputs, busy) -> dict:
+    """``{machine m: cores its ranks ask for}`` when the world ranks ``busy`` compute and the
+    others wait: ``u |busy on m| + w (k_m - |busy on m|)`` (``u = inp.cpu_parallelism``, ``w =
+    inp.wait_cpu_cores``, ``k_m`` the ranks of ``m``), for the machines holding a rank of
+    ``busy``; ``{}`` without ``machine_of``."""
+    if not inp.machine_of:
+        return {}
+    b = {int(r) for r in busy}
+    out = {}
+    for r, m in enumerate(inp.machine_of):
+        out.setdefault(m, [0, 0])
+        out[m][0 if r in b else 1] += 1
+    u, w = float(inp.cpu_parallelism), float(inp.wait_cpu_cores)
+    return {m: u * nb + w * nw for m, (nb, nw) in out.items() if nb > 0}
+
+
 def cpu_share(inp: LayoutInputs, busy) -> float:
     """The factor by which CPU work measured on a rank computing alone grows when the world ranks
-    ``busy`` compute at the same time:
+    ``busy`` compute at the same time and the others wait:
 
-        share = max(1, max over machines m of  u |busy on m| / P_m)
+        share = max(1, max over machines m holding busy ranks of  (u |busy on m| + w |waiting on m|) / P_m)
 
-    (``u = inp.cpu_parallelism``, ``P_m = inp.machine_cores[m]``; 1 without ``machine_of``).
+    (``u = inp.cpu_parallelism``, ``w = inp.wait_cpu_cores``, ``P_m = inp.machine_cores[m]``,
+    :func:`machine_load`; 1 without ``machine_of``).
     Assumes: co-located ranks that compute at once split their machine's cores evenly (a fair
     scheduler, work-conserving: ``k`` ranks that each keep ``u`` cores busy alone need ``k u``
-    cores), ranks that wait use no CPU (hgsgc's waits poll with sleeps and Open MPI yields when
-    idle, ``hgsgc.runtime``), the ranks of a machine are alike (one ``u``, the median), and
+    cores), a waiting rank keeps ``w`` cores busy (measured; hgsgc's own poll loop costs about
+    1.5 % of a core, Horovod's background thread the rest: docs/hourglass.md, session 6; a
+    computing rank's background thread is left out), the ranks of a machine are alike (one ``u``, the median), and
     communication, memory bandwidth and other processes' load are not part of the share (their
     effect is in the measured times). On a cluster with one rank per host (or per GPU with its own
     cores) ``u <= P`` and the share is 1.
     """
-    return max(1.0, cpu_bound_s(inp, {int(r): 1.0 for r in busy}))
+    load = machine_load(inp, busy)
+    return max([1.0] + [load[m] / inp.machine_cores[m] for m in load])
 
 
 def cpu_bound_s(inp: LayoutInputs, work_s: dict) -> float:
@@ -315,9 +343,10 @@ def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float
     ``conv_post`` / ``fc_post`` = ``(CPU seconds, wait seconds)`` after the role's last compute
     task: the update + compression (CPU), then the exchange's wire + coordination (no CPU). The
     step ends when both roles are done. CPU tasks progress at the rate ``1 / max over machines m
-    holding the role's ranks of max(1, u busy_m / P_m)``, with ``busy_m`` the ranks of ``m`` whose
-    role is in a CPU task at that moment (the :func:`cpu_share` assumptions: fair,
-    work-conserving, waiting ranks use no CPU); links and waits progress at rate 1. Without
+    holding the role's ranks of max(1, (u busy_m + w (k_m - busy_m)) / P_m)``, with ``busy_m`` the ranks of ``m`` whose
+    role is in a CPU task at that moment, plus ``w`` cores for each other rank of ``m`` (waiting:
+    :func:`machine_load`; the :func:`cpu_share` assumptions: fair, work-conserving); links and
+    waits progress at rate 1. Without
     ``machine_of`` every rate is 1 and the step is the longest path of the schedule's
     dependency graph.
 
@@ -356,11 +385,8 @@ def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float
     def rate(role, cpu_roles):
         if not inp.machine_of:
             return 1.0
-        busy = {}
-        for ro in cpu_roles:
-            for r in role_ranks[ro]:
-                busy[inp.machine_of[r]] = busy.get(inp.machine_of[r], 0) + 1
-        f = max(max(1.0, inp.cpu_parallelism * busy[inp.machine_of[r]] / inp.machine_cores[inp.machine_of[r]])
+        load = machine_load(inp, [r for ro in cpu_roles for r in role_ranks[ro]])
+        f = max(max(1.0, load[inp.machine_of[r]] / inp.machine_cores[inp.machine_of[r]])
                 for r in role_ranks[role])
         return 1.0 / f
 

@@ -132,6 +132,9 @@ def test_layout_auto_measures_compression_update_and_share(result):
                                   tog["trunk_pass_windows_s"], i["cpu_parallelism"])
     sw = slowdown_windows([0, 0, 0], alone, tog["trunk_pass_windows_s"])
     assert tog["slowdown_per_window"] == sw["per_window"] and tog["slowdown_spread_per_machine"] == sw["spread"]
+    # what a waiting rank burns (auto.measure_wait_cpu): one value per rank, the median in the inputs
+    wc = meas["wait_cpu_cores_per_rank"]
+    assert len(wc) == 3 and min(wc) >= 0 and i["wait_cpu_cores"] == sorted(wc)[1]
     assert i["machine_cores"] == tog["effective_cores"] == cores and tog["slowdown_per_machine"] == slow
     assert 0 < i["machine_cores"][0] <= meas["machines"]["machine_cores"][0]
     assert i["cpu_parallelism"] > 0 and i["t_update_conv"] > 0 and i["t_update_fc"] > 0

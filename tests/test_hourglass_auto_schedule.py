@@ -174,3 +174,24 @@ def test_effective_cores_from_the_slowdown():
     assert cores2 == pytest.approx([0.5 * 2 / 1.2])
     i2 = _inputs(world_size=2, machine_of=(0, 0), machine_cores=tuple(cores2), cpu_parallelism=0.5)
     assert pm.cpu_share(i2, range(2)) == pytest.approx(1.2)
+
+
+def test_waiting_ranks_burn_cpu_in_the_share():
+    # the two ranks on one core of test_two_ranks_on_one_core_share_it, with a waiting rank
+    # keeping w = 0.5 cores busy (perfmodel.machine_load): alone, a computing rank's machine asks
+    # for 1 + 0.5 cores (rate 1 / 1.5); both computing, 2 (rate 1 / 2).
+    # f0 [0, 1.5]; f1 and h0 share [1.5, 3.5] (h0 done 1 of 2); h0 with the CONV rank waiting
+    # [3.5, 5]; g0 and h1 share [5, 7]; h1 [7, 8.5]; g1 [8.5, 10]
+    i = _inputs(world_size=2, micro_batches=2, batch_size=2, conv_fwd_mb_s=1.0, conv_bwd_mb_s=1.0,
+                fc_call_s=2.0, fc_row_s=0.0, alpha=0.0, act_bytes=0.0, grad_bytes=0.0,
+                machine_of=(0, 0), machine_cores=(1.0,), cpu_parallelism=1.0, wait_cpu_cores=0.5)
+    s = pipeline_schedule(i, 1)
+    assert s["step_s"] == pytest.approx(10.0, rel=1e-12) and s["fc_done_s"] == pytest.approx(8.5, rel=1e-12)
+    assert pm.cpu_share(i, [0]) == pytest.approx(1.5) and pm.cpu_share(i, [0, 1]) == pytest.approx(2.0)
+    assert pm.machine_load(i, [1]) == {0: 1.5}
+    # w = 0 is the model without the term; a rank alone on its machine never sees it
+    assert pipeline_schedule(dataclasses.replace(i, wait_cpu_cores=0.0), 1)["step_s"] == pytest.approx(8.0)
+    sep = dataclasses.replace(i, machine_of=(0, 1), machine_cores=(1.0, 1.0))
+    assert pipeline_schedule(sep, 1)["step_s"] == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="wait_cpu_cores"):
+        dataclasses.replace(i, wait_cpu_cores=-0.1)

@@ -62,6 +62,7 @@ def fixed(monkeypatch):
         "compression_cost": {"dp": dict(ZERO), "conv": dict(ZERO), "fc": dict(ZERO)},
         "update_conv_s": 0.0, "update_fc_s": 0.0})
     monkeypatch.setattr(auto, "measure_together", lambda comm, split, x, **k: [MEAS["t_conv"] * len(x)] * 5)
+    monkeypatch.setattr(auto, "measure_wait_cpu", lambda comm, **k: 0.0)   # Layout(cost=...) has no such term
     monkeypatch.setattr(pm, "measure_compression_s", lambda *a, **k: dict(ZERO))
     monkeypatch.setattr(costmodel, "find_machines", lambda comm, **k: {
         "machine_of": list(range(N)), "machine_cores": [2.0] * N, "how": ["fake"] * N, "rank_cores": [2] * N})

@@ -377,6 +377,68 @@ def effective_cores(machine_of, affinity_cores, alone_s, together_s, u: float):
     return cores, [float(x) for x in slow]
 
 
+#: Seconds the delayed rank makes the others wait in :func:`measure_wait_cpu` (each of 2 rounds).
+WAIT_PROBE_S = 0.5
+
+
+def measure_wait_cpu(comm, wait_s: float = WAIT_PROBE_S, horovod: bool = True) -> float:
+    """Cores this rank keeps busy while it WAITS for a peer, as a Hourglass rank waits: the
+    ``w`` (``wait_cpu_cores``) of :func:`hgsgc.perfmodel.cpu_share`; collective over ``comm``.
+
+    With Horovod initialised over ``comm`` (``horovod=True`` and not yet initialised: started
+    here and shut down after; its background thread cycles while the rank waits, as in
+    training), two rounds: in round 0 rank 0, in round 1 rank 1 sleeps ``wait_s`` seconds before
+    joining an ``Ibarrier``; every other rank waits for it in :func:`hgsgc.faults.wait_for_peers`
+    (the Hourglass step's wait: ``Testall`` polled with sleeps of 50 us doubling to 1 ms) and
+    measures its process CPU seconds (``resource.getrusage``, all threads, user + system) over
+    the wall seconds of the wait. A rank's value is its first round's.
+
+    Session 6 measured it on the shared 2-core machine (load 10.7-15.0, 2 ranks, 2 s waits,
+    ``scripts/wait_cpu.py``): median 0.29 cores (0.03-1.0) for this wait, of which the
+    polling thread itself 0.015 cores and Horovod's background thread the rest; 0.21 cores
+    with the rank merely sleeping (Horovod initialised); docs/hourglass.md.
+
+    Returns:
+        this rank's cores (float >= 0; 0.0 for a world of one rank).
+    """
+    import resource
+    import time
+
+    from hgsgc.faults import wait_for_peers
+
+    def cpu_s():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    if n < 2:
+        return 0.0
+    hvd, started = None, False
+    if horovod:
+        import horovod.tensorflow as hvd
+
+        if not hvd.is_initialized():
+            hvd.init(comm=comm)
+            started = True
+    mine = None
+    try:
+        for delayed in (0, 1):
+            comm.Barrier()
+            if rank == delayed:
+                time.sleep(float(wait_s))
+                wait_for_peers([comm.Ibarrier()], None, "the wait-CPU probe", max(60.0, 20 * float(wait_s)))
+                continue
+            c0, t0 = cpu_s(), time.perf_counter()
+            wait_for_peers([comm.Ibarrier()], None, "the wait-CPU probe", max(60.0, 20 * float(wait_s)))
+            wall = time.perf_counter() - t0
+            if mine is None:
+                mine = max(0.0, (cpu_s() - c0) / wall) if wall > 0 else 0.0
+    finally:
+        if started:
+            hvd.shutdown()
+    return float(mine or 0.0)
+
+
 def measure_compression_and_update(conv_shapes, fc_shapes, compression, fc_compression,
                                    momentum: float, repeats: int = 3) -> dict:
     """This rank's compression and update costs, measured as ``hgsgc plan`` measures them.
@@ -500,6 +562,15 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     errors = [e for _, e in together_all if e]
     if errors:
         raise RuntimeError("layout=auto: measurement of all ranks at once failed on " + "; ".join(errors))
+    # what a waiting rank burns (Horovod's background thread + hgsgc's poll loop), collective
+    try:
+        wait_cpu, err = measure_wait_cpu(comm), None
+    except Exception as exc:  # reported on every rank, never left to hang the others
+        wait_cpu, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
+    wait_all = comm.allgather((wait_cpu, err))
+    errors = [e for _, e in wait_all if e]
+    if errors:
+        raise RuntimeError("layout=auto: measurement of the waiting ranks' CPU failed on " + "; ".join(errors))
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
     report = None
     if comm.Get_rank() == 0:
@@ -525,7 +596,8 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             t_update_conv=meas["update_conv_s"], t_update_fc=meas["update_fc_s"],
             machine_of=tuple(machines["machine_of"]), machine_cores=tuple(cores),
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
-            conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"])
+            conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"],
+            wait_cpu_cores=float(np.median([w for w, _ in wait_all])))
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
             hourglass_only=hourglass_only)
@@ -541,6 +613,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
                                            "windows": len(contention["per_window"][0]), "gap_s": TOGETHER_GAP_S,
                                            "slowdown_per_machine": slowdown, "effective_cores": cores},
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
+                              "wait_cpu_cores_per_rank": [w for w, _ in wait_all],
                               "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
         report["link"] = link
     report = comm.bcast(report, root=0)
@@ -552,7 +625,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             f"at once / alone, per machine: windows " + "; ".join(
                 " ".join(f"{v:.2f}" for v in sw) for sw in tog["slowdown_per_window"])
             + f" -> median {[round(v, 2) for v in tog['slowdown_per_machine']]}, spread (max/min) "
-            f"{[round(v, 2) for v in tog['slowdown_spread_per_machine']]}")
+            f"{[round(v, 2) for v in tog['slowdown_spread_per_machine']]}; a waiting rank keeps "
+            f"{report['inputs']['wait_cpu_cores']:.3f} cores busy (median over ranks of "
+            f"{[round(v, 3) for v in report['measured']['wait_cpu_cores_per_rank']]})")
     return report
 
 
