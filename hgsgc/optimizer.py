@@ -225,7 +225,8 @@ class _HgsgcOptimizerMixin:
         """Change the density of a sparse compression (e.g. DGC's warm-up of sparsity).
 
         Residuals and byte counters are kept. Payload sizes are fixed when a step is traced, so
-        the caller must trace its step function again (a new ``tf.function``).
+        the caller must trace its step function again (a new ``tf.function``); the pending-sync
+        function of :meth:`hgsgc_synchronize` (delay > 1) is retraced here at its next call.
 
         Raises:
             ValueError: the compression is dense, or ``density`` is outside (0, 1].
@@ -238,6 +239,7 @@ class _HgsgcOptimizerMixin:
         comp = dataclasses.replace(comp, density=float(density))
         self._hgsgc_compression = comp
         self._hgsgc_exchanger.compression = comp  # same state, new composition
+        self._hgsgc_sync_fn = None  # traced with the old k: the end-of-epoch sync must use the new one
 
     def hgsgc_synchronize(self, variables):
         """Run the pending sync now if local steps were taken since the last one (delay > 1).

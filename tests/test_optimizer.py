@@ -124,6 +124,27 @@ def test_momentum_masking_off_needs_momentum_correction():
         hgsgc.Compression.sgc(0.1, momentum_correction=True, momentum_masking="no")
 
 
+def test_pending_sync_uses_the_density_set_after_it_was_first_traced():
+    """Delay > 1 with a warm-up of sparsity: ``hgsgc_synchronize`` (the sync before evaluating)
+    must send the payload of the density in force, not the one of its first trace (a bug: every
+    end-of-epoch sync of a speech run kept the warm-up's density 0.25, 8.7x the bytes)."""
+    rng = np.random.default_rng(6)
+    shapes = [(50, 40), (40,)]
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+                                      compression=hgsgc.Compression.sgc(0.25, delay=4))
+    vs = [tf.Variable(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    stats = opt.hgsgc_exchanger.stats.vars
+    for density in (0.25, 0.01, 0.05):
+        opt.hgsgc_set_density(density)
+        before = int(stats["payload_bytes"].numpy())
+        for _ in range(2):                               # 2 local steps, no sync (delay 4)
+            opt.apply_gradients([(tf.constant(rng.standard_normal(s).astype(np.float32)), v)
+                                 for s, v in zip(shapes, vs)])
+        assert opt.hgsgc_synchronize(vs) is True
+        want = hgsgc.Compression.sgc(density, delay=4).payload_bytes(shapes)
+        assert int(stats["payload_bytes"].numpy()) - before == want, density
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(TypeError, match="legacy"):
         hgsgc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
