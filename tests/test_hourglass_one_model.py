@@ -156,3 +156,28 @@ def test_derived_stages_are_the_same_schedule_for_layout_cost(fixed):
         assert c["stages"] == "derived" and li.conv_bwd_mb_s == pytest.approx(2 * li.conv_fwd_mb_s, rel=1e-15)
         assert c["step_s"] == pm.predict_hourglass(li, F)["step_s"]
         assert dataclasses.replace(li, conv_fwd_mb_s=0.0, conv_bwd_mb_s=0.0, fc_row_s=0.0) == layout_inputs(inp, N)
+
+
+def test_measure_costs_measures_the_stages_when_told_the_world():
+    """costmodel.measure_costs(max_convs_per_fc=n - 1) (a Layout(..., cost=...) callable) measures
+    the stages per micro-batch as layout: auto and hgsgc plan do; without it they are derived."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hgsgc.compression import Compression
+    from hgsgc.hourglass import auto
+    from hgsgc.hourglass.costmodel import choose_fc_workers, measure_costs, measure_pipeline_stages, with_link
+    from hgsgc.hourglass.split import split_model
+
+    assert auto.measure_pipeline_stages is measure_pipeline_stages          # one function, re-exported
+    inp = tf.keras.Input((6, 6, 1))
+    z = tf.keras.layers.Flatten(name="flatten")(tf.keras.layers.Conv2D(4, 3, activation="relu")(inp))
+    split = split_model(tf.keras.Model(inp, tf.keras.layers.Dense(3)(tf.keras.layers.Dense(8)(z))), "flatten")
+    got = measure_costs(split, 8, Compression.none, Compression.none, 100.0, repeats=1, micro_batches=2,
+                        max_convs_per_fc=3)
+    assert got.conv_fwd_mb_s > 0 and got.fc_call_s + got.fc_row_s > 0
+    r = choose_fc_workers(with_link(got, {"alpha_s": 0.0, "beta_Bps": 12.5e6}), 4)
+    assert all(c["stages"] == "measured" for c in r["candidates"])
+    plain = measure_costs(split, 8, Compression.none, Compression.none, 100.0, repeats=1, micro_batches=2)
+    assert (plain.conv_fwd_mb_s, plain.conv_bwd_mb_s, plain.fc_call_s, plain.fc_row_s) == (0.0, 0.0, 0.0, 0.0)
+    assert np.isfinite(r["candidates"][0]["step_s"])

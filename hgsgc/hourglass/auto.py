@@ -65,6 +65,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from hgsgc.hourglass.costmodel import link_inputs, probe_link  # noqa: F401 (the one link probe)
+from hgsgc.hourglass.costmodel import measure_pipeline_stages  # noqa: F401 (in costmodel since session 6: measure_costs uses it too)
 
 
 def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro_batches: int = 1) -> dict:
@@ -109,138 +110,6 @@ def measure(split, x: np.ndarray, act_codec, grad_codec, repeats: int = 3, micro
     return {"t_conv": t_conv, "t_fc": t_fc, "act_bytes": act_bytes,
             "grad_bytes": grad_bytes, "codec_s": codec_s, "cpu_parallelism": float(u),
             "density": float(np.count_nonzero(a)) / a.size}
-
-
-def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_per_fc: int,
-                            repeats: int = 3) -> dict:
-    """This rank's Hourglass stages as the pipeline of :class:`~hgsgc.hourglass.step.HourglassTrainer`
-    runs them, without communication (inputs of :func:`hgsgc.perfmodel.pipeline_schedule`).
-
-    CONV side: one ``tf.function`` built like the trainer's CONV step, on the micro-batches of
-    :func:`~hgsgc.hourglass.costmodel.micro_batch_bounds` ``(b, M)``: every micro-batch's trunk
-    forward under one persistent tape, each followed by a ``tf.numpy_function`` crossing (the
-    send's place), then every micro-batch's backward with fixed activation gradients fetched by a
-    ``tf.numpy_function`` (the receive's place) and the gradients summed; and the same function
-    with the forwards only, called in adjacent pairs (forwards-only, then whole) so that both see
-    the same load: ``conv_fwd_mb_s`` = median forwards-only time / ``M``, ``conv_bwd_mb_s`` =
-    median over the pairs of (whole - forwards-only) / ``M`` (floored at 0: on a loaded machine
-    a pair's difference can be noise-dominated for a tiny trunk).
-
-    FC side: the FC rank's work on one micro-batch from ``k`` CONV ranks of ``r = b / M`` rows
-    each, as ``_fc_step`` does it minus MPI and the codec: concatenate ``k`` arrays, convert to a
-    tensor, the head's forward + backward (sum of sparse cross-entropy) in a ``tf.function`` with
-    the trainer's input signature, ``dA`` back to NumPy and split into ``k`` parts; timed for
-    ``k = 1`` and ``k = K = max(2, max_convs_per_fc)``, fitted as ``fc_call_s + rows fc_row_s``
-    (``fc_row_s = (t_K - t_1) / ((K - 1) r)``, ``fc_call_s = t_1 - r fc_row_s``, both >= 0).
-
-    Each: one warm-up call (tracing), then ``repeats`` timed calls (medians).
-
-    Args:
-        split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one training batch ``[b, ...]``.
-        micro_batches: ``M``, 1 .. b. max_convs_per_fc: the most CONV ranks one FC rank serves
-            among the candidates (``n - 1`` for ``F = 1``).
-
-    Returns:
-        ``{"conv_fwd_mb_s", "conv_bwd_mb_s", "fc_call_s", "fc_row_s"}`` (seconds; per example for
-        ``fc_row_s``).
-    """
-    import time
-
-    import tensorflow as tf
-
-    from hgsgc.hourglass.costmodel import micro_batch_bounds
-
-    trunk, head = split.trunk, split.head
-    b = len(x)
-    chunks = micro_batch_bounds(b, micro_batches)
-    M = len(chunks)
-    xt = tf.constant(x)
-    a_full = trunk(xt, training=False).numpy()
-    rng = np.random.default_rng(0)
-    dA = [rng.standard_normal(a_full[lo:hi].shape).astype(a_full.dtype) * 1e-3 for lo, hi in chunks]
-    variables = trunk.trainable_variables
-
-    def send(a, j):  # the send's place: a crossing into Python that touches the activations
-        return np.int32(np.asarray(a).shape[0] + int(j) * 0)
-
-    def recv(j):
-        return dA[int(j)]
-
-    def conv_step(x_, backward: bool):
-        tok = tf.constant(0)
-        acts = []
-        with tf.GradientTape(persistent=M > 1) as tape:
-            for j, (lo, hi) in enumerate(chunks):
-                with tf.control_dependencies([tok]):
-                    xj = tf.identity(x_[lo:hi])
-                a = trunk(xj, training=True)
-                tok = tf.numpy_function(send, [a, tf.constant(j)], tf.int32, stateful=True)
-                acts.append(a)
-        if not backward:
-            return [tf.cast(tok, tf.float32)]
-        grads = None
-        for j, a in enumerate(acts):
-            with tf.control_dependencies([tok]):
-                g_a = tf.numpy_function(recv, [tf.constant(j)], a.dtype, stateful=True)
-            g_a = tf.ensure_shape(g_a, a.shape)
-            gj = tape.gradient(a, variables, output_gradients=g_a)
-            grads = gj if grads is None else [u + v for u, v in zip(grads, gj)]
-            tok = tf.reduce_sum(grads[0]) if M > 1 else tok
-        return grads
-
-    fwd = tf.function(lambda x_: conv_step(x_, False))
-    whole = tf.function(lambda x_: conv_step(x_, True))
-
-    def once(fn):
-        t0 = time.perf_counter()
-        float(tf.reduce_sum(fn(xt)[0]))
-        return time.perf_counter() - t0
-
-    once(fwd), once(whole)  # tracing
-    pairs = [(once(fwd), once(whole)) for _ in range(max(1, repeats))]  # adjacent in time: alike load
-    t_fwd = float(np.median([p[0] for p in pairs]))
-    t_bwd = float(np.median([p[1] - p[0] for p in pairs]))
-
-    a_shape = tuple(int(d) for d in split.boundary_shape)
-    spec_a = tf.TensorSpec((None,) + a_shape, tf.float32)
-    spec_y = tf.TensorSpec((None,), tf.int32)
-    n_out = int(head.outputs[0].shape[-1])
-
-    @tf.function(input_signature=[spec_a, spec_y])
-    def fc_grads(a, y):
-        with tf.GradientTape() as tape:
-            tape.watch(a)
-            s = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
-                y, head(a, training=True), from_logits=True))
-        g = tape.gradient(s, head.trainable_variables + [a])
-        return s, g[-1], g[:-1]
-
-    lo, hi = chunks[0]
-    r = hi - lo
-    part = a_full[lo:hi].reshape(r, -1)
-    labels = rng.integers(0, n_out, r).astype(np.int32)
-
-    def fc_micro_batch(k):
-        a = np.concatenate([part] * k).reshape((-1,) + a_shape)
-        y = np.concatenate([labels] * k)
-        s, g_a, g = fc_grads(tf.constant(a), tf.constant(y))
-        g_a = g_a.numpy().reshape(k * r, -1)
-        return [g_a[i * r:(i + 1) * r] for i in range(k)], float(s)
-
-    def timed(k):
-        fc_micro_batch(k)
-        ts = []
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            fc_micro_batch(k)
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2]
-
-    K = max(2, int(max_convs_per_fc))
-    t1, tK = timed(1), timed(K)
-    row = max(0.0, (tK - t1) / ((K - 1) * r))
-    return {"conv_fwd_mb_s": t_fwd / M, "conv_bwd_mb_s": max(0.0, t_bwd) / M,
-            "fc_call_s": max(0.0, t1 - r * row), "fc_row_s": row}
 
 
 #: Windows of :func:`measure_together` (odd, so the median is one window's value), timed calls
