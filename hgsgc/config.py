@@ -418,11 +418,13 @@ def fc_compression_from_config(cfg: Config):
     correction or local clipping (those belong to the CONV side's optimizer).
     """
     m = cfg.hourglass.fc_method
+    # Drop the CONV side's momentum correction, masking and local clipping before building: built
+    # with them, SparseCompression rejects the FC side's own combination (masking off without
+    # momentum correction when fc_method is not dgc; momentum correction or clipping with fc_delay > 1).
+    c = dataclasses.replace(cfg.compression, momentum_correction=False, momentum_masking=True,
+                            local_clip_norm=0.0)
     # sgc: communication delay hourglass.fc_delay (local steps + compressed delta, as on CONV ranks)
-    comp = compression_from_config(cfg.compression, m, delay=cfg.hourglass.fc_delay if m == "sgc" else 1)
-    if hasattr(comp, "momentum_correction"):
-        comp = dataclasses.replace(comp, momentum_correction=False, momentum_masking=True, local_clip_norm=None)
-    return comp
+    return compression_from_config(c, m, delay=cfg.hourglass.fc_delay if m == "sgc" else 1)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,0 +1,36 @@
+"""Robustness: combinations of settings that must load, convert and fail (or not) with one clear line."""
+import os
+
+import pytest
+
+from conftest import ROOT
+from hgsgc.config import compression_from_config, fc_compression_from_config, load_config
+
+SGC = os.path.join(ROOT, "configs", "fashion_mnist_sgc.yaml")
+
+
+@pytest.mark.parametrize("overrides", [
+    # CONV side with momentum correction (dgc / momentum_correction) and masking off, FC side sparse
+    ["compression.method=dgc", "compression.momentum_masking=false", "hourglass.fc_method=topk"],
+    ["compression.method=dgc", "compression.momentum_masking=false", "hourglass.fc_method=sgc"],
+    ["compression.method=topk", "compression.momentum_correction=true", "compression.momentum_masking=false",
+     "hourglass.fc_method=sgc"],
+    # CONV side's delay-1-only settings with a communication delay among FC ranks
+    ["compression.method=topk", "compression.momentum_correction=true", "hourglass.fc_method=sgc",
+     "hourglass.fc_delay=2"],
+    ["compression.method=topk", "compression.local_clip_norm=5", "hourglass.fc_method=sgc",
+     "hourglass.fc_delay=2"],
+    ["compression.method=dgc", "compression.momentum_masking=false", "compression.local_clip_norm=5",
+     "hourglass.fc_method=sgc", "hourglass.fc_delay=3"],
+])
+@pytest.mark.parametrize("layout", ["hourglass", "auto"])
+def test_fc_side_drops_conv_momentum_settings(overrides, layout):
+    """A config that loads builds both sides: the FC ranks run without momentum correction,
+    masking or local clipping (fc_compression_from_config's contract), whatever the CONV side uses."""
+    cfg = load_config(SGC, ["compression.delay=1", f"layout={layout}"] + overrides)
+    conv = compression_from_config(cfg.compression)
+    fc = fc_compression_from_config(cfg)
+    assert (fc.method, fc.momentum_correction, fc.momentum_masking, fc.local_clip_norm) == \
+        (cfg.hourglass.fc_method, False, True, None)
+    assert fc.delay == (cfg.hourglass.fc_delay if fc.method == "sgc" else 1)
+    assert (fc.density, fc.hierarchy, fc.error_feedback) == (conv.density, conv.hierarchy, conv.error_feedback)
