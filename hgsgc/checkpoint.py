@@ -278,6 +278,28 @@ def latest(directory: str) -> Optional[str]:
     return None
 
 
+def _with_added_defaults(saved, current):
+    """``saved`` (a compression identity) with each setting it lacks but ``current`` has set to
+    that setting's default: a checkpoint written before a setting existed (e.g.
+    ``momentum_masking``, ``dense_vectors``) ran with its default, so the same run resumes."""
+    if not (isinstance(saved, dict) and isinstance(current, dict)) or set(current) <= set(saved):
+        return saved
+    import dataclasses
+
+    from hgsgc.compression import _registered_settings
+
+    for cls in _registered_settings():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if set(fields) != set(current):
+            continue
+        out = dict(saved)
+        for name in set(current) - set(saved):
+            if fields[name].default is not dataclasses.MISSING:
+                out[name] = fields[name].default
+        return out
+    return saved
+
+
 def describe_differences(saved: dict, current: dict) -> List[str]:
     """Human-readable differences between two run identities (``manifest["run"]``)."""
     labels = {"world_size": "rank count", "model": "model", "parameters": "parameter shapes",
@@ -286,6 +308,8 @@ def describe_differences(saved: dict, current: dict) -> List[str]:
     diffs = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
+        if key in ("compression", "fc_compression"):
+            a = _with_added_defaults(a, b)
         if json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True):
             continue
         label = labels.get(key, key)

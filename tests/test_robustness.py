@@ -34,3 +34,34 @@ def test_fc_side_drops_conv_momentum_settings(overrides, layout):
         (cfg.hourglass.fc_method, False, True, None)
     assert fc.delay == (cfg.hourglass.fc_delay if fc.method == "sgc" else 1)
     assert (fc.density, fc.hierarchy, fc.error_feedback) == (conv.density, conv.hierarchy, conv.error_feedback)
+
+
+def _identity(comp):
+    return {"world_size": 2, "layout": "data_parallel", "model": "tiny", "parameters": {"w:0": [3]},
+            "compression": comp.to_dict()}
+
+
+@pytest.mark.parametrize("added", [("momentum_masking",), ("momentum_masking", "dense_vectors")])
+def test_checkpoint_from_before_a_new_setting_resumes(tmp_path, added):
+    """A checkpoint written before a compression setting existed (its identity lacks the key) ran
+    with the setting's default: the same run resumes from it; a run that changes the setting is
+    still refused, naming it."""
+    import numpy as np
+
+    from hgsgc import checkpoint as ckpt
+    from hgsgc.compression import Compression
+
+    comp = Compression.dgc(0.01)
+    old = _identity(comp)
+    for k in added:
+        del old["compression"][k]
+    d = str(tmp_path)
+    ckpt.save(d, 5, {"w": np.zeros(3)}, old)
+    assert ckpt.resolve(d, "auto", _identity(comp))[0] == ckpt.step_dir(d, 5)
+    import dataclasses
+
+    changed = dataclasses.replace(comp, momentum_masking=False)
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"momentum_masking\": true.*momentum_masking\": false"):
+        ckpt.resolve(d, "auto", _identity(changed))
+    with pytest.raises(ckpt.CheckpointMismatch, match="compression"):
+        ckpt.resolve(d, "auto", _identity(Compression.topk(0.01)))
