@@ -322,6 +322,11 @@ def plan_main(args) -> int:
         rate = pm.parse_rate(args.bandwidth)
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+        if args.reps < 1:
+            raise ValueError(f"--reps must be >= 1 (timed repetitions per measurement), got {args.reps}")
+        if args.compute_ms is not None and not (math.isfinite(args.compute_ms) and args.compute_ms > 0):
+            raise ValueError(f"--compute-ms must be a number > 0 (ms per step), got {args.compute_ms}; "
+                             f"leave it out to measure the step here")
         steps = None
         if args.steps_to_target:
             with open(args.steps_to_target) as f:

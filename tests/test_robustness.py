@@ -65,3 +65,29 @@ def test_checkpoint_from_before_a_new_setting_resumes(tmp_path, added):
         ckpt.resolve(d, "auto", _identity(changed))
     with pytest.raises(ckpt.CheckpointMismatch, match="compression"):
         ckpt.resolve(d, "auto", _identity(Compression.topk(0.01)))
+
+
+def _hgsgc(*args, timeout=300):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "hgsgc.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--reps", "-2"], "--reps must be >= 1"),
+    (["--compute-ms", "-5"], "--compute-ms must be a number > 0"),
+    (["--compute-ms", "0"], "--compute-ms must be a number > 0"),
+    (["--compute-ms", "nan"], "--compute-ms must be a number > 0"),
+    (["--compute-ms", "inf"], "--compute-ms must be a number > 0"),
+])
+def test_plan_bad_measurement_arguments_are_one_line(args, needle):
+    """--reps 0 ended in an IndexError traceback after the measurements; a negative, zero or NaN
+    --compute-ms printed a plan with 'compute -5.0 ms/step'. One line, exit 2, before measuring."""
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", "model.name=tiny", "--nodes", "4",
+               "--bandwidth", "1gbit", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
