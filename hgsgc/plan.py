@@ -330,9 +330,18 @@ def plan_main(args) -> int:
         steps = None
         if args.steps_to_target:
             with open(args.steps_to_target) as f:
-                steps = json.load(f)
+                try:
+                    steps = json.load(f)
+                except ValueError as exc:
+                    raise ValueError(f"{args.steps_to_target} is not JSON ({exc}): expected an object "
+                                     f"{{method: steps or null}}") from None
             if not isinstance(steps, dict):
                 raise ValueError(f"{args.steps_to_target}: expected a JSON object {{method: steps or null}}")
+            for k, v in steps.items():
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                      or not math.isfinite(v) or v < 0):
+                    raise ValueError(f"{args.steps_to_target}: {k!r}: {v!r} is not a step count: each value "
+                                     f"must be a number >= 0 (steps to the target) or null (not reached)")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"hgsgc plan: {exc}", file=sys.stderr)
         return 2

@@ -91,3 +91,22 @@ def test_plan_bad_measurement_arguments_are_one_line(args, needle):
                "--bandwidth", "1gbit", *args)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"topk": "abc"}', "'topk': 'abc'"),
+    ('{"sgc_d1": -5}', "'sgc_d1': -5"),
+    ('{"sgc_d1": true}', "'sgc_d1': True"),
+    ('{"sgc_d1": [1]}', "'sgc_d1': [1]"),
+    ('{bad', "is not JSON"),
+])
+def test_plan_bad_steps_to_target_is_one_line(tmp_path, content, needle):
+    """A steps value that is not a number >= 0 or null ended in a TypeError traceback after the
+    measurements; the message names the file, the entry and the form expected."""
+    f = tmp_path / "steps.json"
+    f.write_text(content)
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", "model.name=tiny", "--nodes", "4",
+               "--bandwidth", "1gbit", "--steps-to-target", str(f))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and str(f) in lines[0], r.stderr[-2000:]
