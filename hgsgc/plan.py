@@ -342,6 +342,9 @@ def plan_main(args) -> int:
                                       or not math.isfinite(v) or v < 0):
                     raise ValueError(f"{args.steps_to_target}: {k!r}: {v!r} is not a step count: each value "
                                      f"must be a number >= 0 (steps to the target) or null (not reached)")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json {args.json}: folder {os.path.dirname(os.path.abspath(args.json))} "
+                             f"does not exist: create it or write the JSON elsewhere")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"hgsgc plan: {exc}", file=sys.stderr)
         return 2
@@ -351,6 +354,11 @@ def plan_main(args) -> int:
                reps=args.reps, link=link, steps_to_target=steps, cycle_s=pm.horovod_cycle_s())
     print(format_plan(res))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        except OSError as exc:
+            print(f"hgsgc plan: cannot write --json {args.json}: {exc} (the plan above is complete)",
+                  file=sys.stderr)
+            return 1
     return 0

@@ -110,3 +110,14 @@ def test_plan_bad_steps_to_target_is_one_line(tmp_path, content, needle):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and str(f) in lines[0], r.stderr[-2000:]
+
+
+def test_plan_json_into_a_missing_folder_is_one_line(tmp_path):
+    """--json into a folder that does not exist ended in a FileNotFoundError traceback after the
+    whole measurement; now one line before measuring."""
+    out = tmp_path / "missing" / "plan.json"
+    r = _hgsgc("plan", "configs/fashion_mnist_sgc.yaml", "model.name=tiny", "--nodes", "4",
+               "--bandwidth", "1gbit", "--json", str(out))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--json" in lines[0] and str(out.parent) in lines[0], r.stderr[-2000:]
