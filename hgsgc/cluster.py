@@ -112,13 +112,14 @@ class EmulatedCluster:
         keys = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets", "tx_dropped", "rx_dropped")
         return {h: {k: after[h][k] - before[h][k] for k in keys} for h in after}
 
-    def netbench(self, size, rounds=5, warmup=1, mode="both", python=None, mpi_args=()):
-        """Run netbench.py over the cluster; returns (its JSON, counter deltas per host)."""
+    def netbench(self, size, rounds=5, warmup=1, mode="both", python=None, mpi_args=(), extra_args=()):
+        """Run netbench.py over the cluster (``extra_args``: more netbench options, e.g. ``--pin``);
+        returns (its JSON, counter deltas per host)."""
         import sys
         py = python or sys.executable
         before = self.counters()
         p = self.mpirun([*mpi_args, py, NETBENCH, "--size", str(size), "--rounds", str(rounds),
-                         "--warmup", str(warmup), "--mode", mode])
+                         "--warmup", str(warmup), "--mode", mode, *extra_args])
         after = self.counters()
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if not lines:

@@ -55,8 +55,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefix", default="hgcal")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mode", choices=["sendrecv", "allreduce"], default="sendrecv",
+                    help="allreduce: MPI_Allreduce of a float32 buffer of the given size (what Horovod's "
+                         "fused allreduce runs; on 2 ranks Rabenseifner's halves: pairwise too)")
+    ap.add_argument("--pin", action="store_true", help="each rank on its own core (netbench.py --pin)")
     args = ap.parse_args(argv)
-    out = {"hosts": 2, "mode": "sendrecv (pairwise with 2 hosts)", "rounds": args.rounds, "cells": []}
+    mode = args.mode
+    out = {"hosts": 2, "mode": "sendrecv (pairwise with 2 hosts)" if mode == "sendrecv" else
+           "allreduce (MPI_Allreduce, float32 sum, 2 hosts)", "rounds": args.rounds, "pinned": args.pin, "cells": []}
     for bw in args.bandwidths:
         rate = parse_rate(bw)
         res = {"bandwidth": bw, "rate_bit_s": rate}
@@ -65,11 +71,13 @@ def main(argv=None):
                 pts, runs = [], []
                 for size in map(parse_size, args.sizes):
                     l0 = _load()
-                    nb, _ = c.netbench(size, rounds=args.rounds, mode="sendrecv", mpi_args=mpi)
-                    med = nb["modes"]["sendrecv"]["time_per_round_s"]["median"]
-                    pts.append((size, med))
+                    nb, _ = c.netbench(size, rounds=args.rounds, mode=mode, mpi_args=mpi,
+                                       extra_args=["--pin"] if args.pin else [])
+                    med = nb["modes"][mode]["time_per_round_s"]["median"]
+                    # the fit is on the bytes each rank sends (allreduce on 2 ranks: the buffer)
+                    pts.append((nb["modes"][mode]["bytes_sent_per_rank_per_round"], med))
                     runs.append({"size": size, "median_s": med,
-                                 "all_s": nb["modes"]["sendrecv"]["time_per_round_s"]["all"],
+                                 "all_s": nb["modes"][mode]["time_per_round_s"]["all"],
                                  "load_before": l0, "load_after": _load()})
                     print(json.dumps({"bandwidth": bw, "flags": label, **runs[-1]}), flush=True)
                 a, beta = fit(pts)

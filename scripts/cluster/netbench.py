@@ -17,6 +17,7 @@ Sizes accept a plain byte count or a suffix: kB/MB/GB (10^3..), KiB/MiB/GiB (2^1
 """
 import argparse
 import json
+import os
 import re
 import socket
 import statistics
@@ -45,6 +46,8 @@ def formula(mode, n, p):
         return (n - 1) * p, (n - 1) * p
     if mode == "sendrecv":
         return p, p
+    if mode == "allreduce":  # ring / Rabenseifner volume (Open MPI's choice for large buffers)
+        return 2 * (n - 1) * p // n, 2 * (n - 1) * p // n
     raise ValueError(mode)
 
 
@@ -56,6 +59,12 @@ def run_mode(comm, mode, p, rounds, warmup):
 
         def op():
             comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+    elif mode == "allreduce":  # a sum of float32 (p // 4 of them), as Horovod's fused allreduce
+        vals = np.full(p // 4, r + 1, dtype=np.float32)
+        out = np.empty_like(vals)
+
+        def op():
+            comm.Allreduce([vals, MPI.FLOAT], [out, MPI.FLOAT], op=MPI.SUM)
     else:
         recv = np.empty(p, dtype=np.uint8)
         dst, src = (r + 1) % n, (r - 1) % n
@@ -80,6 +89,9 @@ def run_mode(comm, mode, p, rounds, warmup):
             expect = np.random.default_rng(j).integers(0, 256, size=p, dtype=np.uint8)
             if not np.array_equal(recv[j * p:(j + 1) * p], expect):
                 raise RuntimeError(f"rank {r}: allgather block {j} is wrong")
+    elif mode == "allreduce" and p // 4:
+        if not np.all(out == n * (n + 1) // 2):
+            raise RuntimeError(f"rank {r}: allreduce sum is wrong")
     elif mode == "sendrecv" and p:
         expect = np.random.default_rng((r - 1) % n).integers(0, 256, size=p, dtype=np.uint8)
         if not np.array_equal(recv, expect):
@@ -114,9 +126,17 @@ def main(argv=None):
     ap.add_argument("--size", type=parse_size, default=parse_size("1MB"), help="payload bytes per rank")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per mode")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones")
-    ap.add_argument("--mode", choices=["allgather", "sendrecv", "both"], default="both")
+    ap.add_argument("--mode", choices=["allgather", "sendrecv", "allreduce", "both"], default="both")
     ap.add_argument("--out", help="also write the JSON here (rank 0)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each rank on core (rank %% cores) (as hgsgc bench's pin: true): emulated hosts "
+                         "share one machine, and Open MPI binds each host's rank 0 to the same core")
     args = ap.parse_args(argv)
+    if args.pin:  # before MPI starts its threads (they inherit the mask)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from hgsgc.runtime import pin_to_core
+
+        pin_to_core({**os.environ, "HGSGC_PIN_CORES": "1"})
     global MPI
     from mpi4py import MPI
     if args.rounds < 0 or args.warmup < 0 or args.size < 0:
