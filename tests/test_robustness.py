@@ -121,3 +121,16 @@ def test_plan_json_into_a_missing_folder_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--json" in lines[0] and str(out.parent) in lines[0], r.stderr[-2000:]
+
+
+def test_dgc_factory_takes_momentum_masking():
+    """compression.momentum_masking applies to dgc in a config (docs/api.md); the Python factory
+    Compression.dgc took no such argument (TypeError), unlike Compression.topk / sgc."""
+    from hgsgc.compression import Compression
+
+    assert Compression.dgc(0.01).momentum_masking is True
+    c = Compression.dgc(0.01, momentum_masking=False)
+    assert (c.method, c.momentum_correction, c.momentum_masking) == ("dgc", True, False)
+    cfg = load_config(SGC, ["compression.delay=1", "compression.method=dgc", "compression.density=0.01",
+                            "compression.momentum_masking=false"])
+    assert compression_from_config(cfg.compression) == c

@@ -412,10 +412,10 @@ class Compression:
 
     @staticmethod
     def dgc(density: float, local_clip_norm: Optional[float] = None, selector: str = "sampled",
-            hierarchy: str = "allgather") -> SparseCompression:
+            hierarchy: str = "allgather", momentum_masking: bool = True) -> SparseCompression:
         return SparseCompression(density=density, bits=32, delay=1, selector=selector,
                                  method="dgc", hierarchy=hierarchy, momentum_correction=True,
-                                 local_clip_norm=local_clip_norm)
+                                 local_clip_norm=local_clip_norm, momentum_masking=momentum_masking)
 
     @staticmethod
     def terngrad(clip_sigma: float = 2.5) -> TernGradCompression:
