@@ -180,18 +180,18 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         if overrides:
             parts.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*parts)
+        cfg: Config = OmegaConf.to_object(merged)  # resolves ${...} interpolations
     except ConfigError:
         raise
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = str(exc).splitlines()[0]
-        if "not in" in msg or "Key" in msg and "not" in msg:
+        if "Interpolation" not in msg and ("not in" in msg or "Key" in msg and "not" in msg):
             raise ConfigError(f"unknown config key '{key}': valid keys are "
                               f"{', '.join(_valid_keys(Config()))}") from None
         raise ConfigError(f"config key '{key}': {msg}") from None
-    except Exception as exc:  # YAML syntax errors and the like
-        raise ConfigError(f"cannot read config {path}: {exc}") from None
-    cfg: Config = OmegaConf.to_object(merged)
+    except Exception as exc:  # YAML syntax errors and the like (their messages span lines: one line here)
+        raise ConfigError(f"cannot read config {path}: {' '.join(str(exc).split())}") from None
     validate(cfg)
     return cfg
 

@@ -134,3 +134,25 @@ def test_dgc_factory_takes_momentum_masking():
     cfg = load_config(SGC, ["compression.delay=1", "compression.method=dgc", "compression.density=0.01",
                             "compression.momentum_masking=false"])
     assert compression_from_config(cfg.compression) == c
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("train:\n  epochs: [\n", "did not find expected node content"),      # YAML syntax error
+    ("train:\n  epochs: 2\ntrain:\n  epochs: 3\n", "found duplicate key train"),
+    ("train:\n  epochs: ${oops}\n", "config key 'train.epochs': Interpolation key 'oops' not found"),
+])
+def test_yaml_errors_are_one_config_error_line(tmp_path, text, needle):
+    """YAML errors came out over 3-4 lines; an unresolved ${...} interpolation escaped
+    load_config as an omegaconf InterpolationKeyError (a traceback in hgsgc plan)."""
+    from hgsgc.config import ConfigError
+
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(f))
+    msg = str(ei.value)
+    assert needle in msg and "\n" not in msg, msg
+    for cmd in (["train", str(f)], ["plan", str(f), "--nodes", "2", "--bandwidth", "1gbit"]):
+        r = _hgsgc(*cmd)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
