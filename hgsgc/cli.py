@@ -2,7 +2,9 @@
 
 Under ``mpirun``/``srun`` every rank runs the same command. A configuration error stops every
 rank with one line (printed by rank 0 after one allgather in which the ranks agree on the
-outcome of loading the config) and exit code 2 before training starts; an error every
+outcome of loading the config) and exit code 2 before training starts, as does a config that
+loads on every rank but differs between ranks (a file or override not the same on every node;
+only ``NODE_LOCAL_KEYS`` such as ``data.path`` may differ); an error every
 rank raises alike is printed once (``hgsgc: error (all N ranks): ...``, exit 1); an error on some
 ranks is printed once too (``hgsgc: error on rank R: ...`` or ``on ranks R,S: ...``, by the
 lowest-numbered rank that failed first) and aborts the whole MPI job (exit 1), so a failure on
@@ -53,14 +55,19 @@ def cmd_train(args) -> int:
     # error once, naming the ranks, and every rank returns 2 after the agreement, so mpirun
     # cannot end rank 0 before it has printed.
     comm = error_comm()  # collective Dup of COMM_WORLD (None for a single process)
-    cfg, err = None, None
+    cfg, err, mine = None, None, None
     try:
         cfg = load_config(args.config, args.overrides)
+        mine = _comparable_config(cfg)
     except ConfigError as exc:
         err = str(exc)
     except Exception as exc:  # a bug in loading: still agreed, so no rank waits forever
         err = one_line(exc)
-    errs = comm.allgather(err) if comm is not None else [err]
+    got = comm.allgather((err, mine)) if comm is not None else [(err, mine)]
+    errs = [e for e, _ in got]
+    if not any(e is not None for e in errs):  # valid on every rank, but the same everywhere?
+        differs = _config_disagreement([c for _, c in got])
+        errs = [differs] * len(got) if differs else errs
     if any(e is not None for e in errs):
         if comm is None or comm.Get_rank() == 0:
             for text in _config_error_lines(errs):
@@ -76,6 +83,48 @@ def cmd_train(args) -> int:
 
     run_guarded(go)
     return 0
+
+
+#: keys that may differ between ranks (node-local paths and rank 0's console): every other
+#: setting changes what a rank computes or sends, so ranks that disagree on it fail in a
+#: collective or, worse, train diverging replicas without a word
+NODE_LOCAL_KEYS = ("data.path", "train.threads", "train.progress", "train.progress_interval_s")
+
+
+def _comparable_config(cfg) -> dict:
+    """``{dotted key: JSON text}`` of ``cfg`` without :data:`NODE_LOCAL_KEYS`."""
+    import dataclasses
+    import json
+
+    out = {}
+
+    def walk(node, prefix):
+        for f in dataclasses.fields(node):
+            v = getattr(node, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v, prefix + f.name + ".")
+            elif prefix + f.name not in NODE_LOCAL_KEYS:
+                out[prefix + f.name] = json.dumps(v, sort_keys=True, default=str)
+    walk(cfg, "")
+    return out
+
+
+def _config_disagreement(configs) -> "str | None":
+    """One line naming the keys (at most 3) whose values differ between ranks (``configs[r]``:
+    rank r's :func:`_comparable_config`), or None when all agree."""
+    diffs = []
+    for key in configs[0]:
+        by_value = {}
+        for r, c in enumerate(configs):
+            by_value.setdefault(c.get(key), []).append(r)
+        if len(by_value) > 1:
+            diffs.append(f"{key}: " + ", ".join(
+                f"{v} on rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}" for v, rs in by_value.items()))
+    if not diffs:
+        return None
+    more = f" (and {len(diffs) - 3} more keys)" if len(diffs) > 3 else ""
+    return (f"the configuration differs between ranks ({'; '.join(diffs[:3])}{more}): give every rank "
+            f"the same config file and overrides")
 
 
 def _config_error_lines(errs) -> list:

@@ -156,3 +156,32 @@ def test_yaml_errors_are_one_config_error_line(tmp_path, text, needle):
         r = _hgsgc(*cmd)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,override,needle", [
+    # a different learning rate trained diverging replicas without a word (rank 0 reported its own)
+    (2, "train.lr=0.5", "train.lr: 0.05 on rank 0, 0.5 on rank 1"),
+    # a different density ended in a TensorFlow graph error (a Reshape of the payloads) on every rank
+    (3, "compression.density=0.02", "compression.density: 0.005 on ranks 0,2, 0.02 on rank 1"),
+])
+def test_config_that_differs_between_ranks_is_one_config_error(np_, override, needle, tmp_path):
+    from conftest import mpirun
+
+    p = mpirun(np_, ["tests/mpi/config_differs_one_rank.py", override], timeout=180,
+               env={"OUT_DIR": str(tmp_path)})  # a hang hits the timeout
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hgsgc: ")]
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("hgsgc: config error: ") and needle in lines[0], p.stderr[-3000:]
+    assert not os.listdir(tmp_path)  # stopped before training: no run directory
+
+
+def test_config_agreement_ignores_node_local_keys():
+    from hgsgc.cli import _config_disagreement, _comparable_config
+
+    a = load_config(SGC)
+    b = load_config(SGC, ["data.path=/elsewhere", "train.threads=3", "train.progress=false"])
+    assert _config_disagreement([_comparable_config(a), _comparable_config(b)]) is None
+    c = load_config(SGC, ["train.lr_decay_epochs=[2]", "train.lr_schedule=step"])
+    msg = _config_disagreement([_comparable_config(a), _comparable_config(c), _comparable_config(c)])
+    assert "train.lr_decay_epochs: [] on rank 0, [2] on ranks 1,2" in msg and "train.lr_schedule" in msg
