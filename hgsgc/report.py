@@ -1,7 +1,7 @@
 """``hgsgc report RUN_DIR [RUN_DIR ...]``: Markdown tables and PNG plots from finished runs.
 
 Reads each run's ``summary.json`` and ``metrics.jsonl``; writes ``report.md``,
-``accuracy.png`` (test accuracy per epoch) and ``loss.png`` (train/test loss per epoch) into the
+``accuracy.png`` (each run's test quality per epoch: accuracy, perplexity or WER) and ``loss.png`` (train/test loss per epoch) into the
 first run directory (or ``out_dir``) and returns the Markdown. Several runs are compared in one
 table and on the same axes.
 """
@@ -37,6 +37,24 @@ def _load(run_dir: str):
     return summary, metrics
 
 
+#: each task's quality metric (``hgsgc.tasks``: image classification, language model, speech)
+QUALITY = ("test_accuracy", "test_perplexity", "test_wer")
+
+
+def _quality(summary) -> str:
+    """The run's quality metric: the first of :data:`QUALITY` its summary has (``final_<key>``),
+    else its first other ``final_test_*`` key, else ``test_loss``."""
+    for k in QUALITY:
+        if f"final_{k}" in summary:
+            return k
+    return next((k[len("final_"):] for k in sorted(summary)
+                 if k.startswith("final_test_") and k != "final_test_loss"), "test_loss")
+
+
+def _num(v, spec=".4f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def _label(summary) -> str:
     c = summary.get("compression", {})
     m = c.get("method", "?")
@@ -59,33 +77,37 @@ def report(run_dirs, out_dir: Optional[str] = None) -> str:
     runs = [(d, *_load(d)) for d in run_dirs]
     out_dir = out_dir or run_dirs[0]
     lines: List[str] = ["# hgsgc report", "",
-                        "| run | world | test acc | test loss | mean step (ms) | sent/step/rank (kB) | "
+                        "| run | world | test quality | test loss | mean step (ms) | sent/step/rank (kB) | "
                         "dense/step/rank (kB) | compression ratio | wall (s) |",
                         "|---|---|---|---|---|---|---|---|---|"]
     for _, s, _ in runs:
+        q = _quality(s)
         lines.append(
-            f"| {_label(s)} | {s['world_size']} | {s['final_test_accuracy']:.4f} | "
-            f"{s['final_test_loss']:.4f} | {s['mean_step_time_s'] * 1e3:.1f} | "
+            f"| {_label(s)} | {s['world_size']} | {q[len('test_'):]} {_num(s.get('final_' + q))} | "
+            f"{_num(s.get('final_test_loss'))} | {s['mean_step_time_s'] * 1e3:.1f} | "
             f"{s['bytes_sent_per_step_per_rank'] / 1e3:.1f} | {s['dense_bytes_per_step_per_rank'] / 1e3:.1f} | "
             f"{s['compression_ratio']:.1f} | {s['wall_time_s']:.1f} |")
     for _, s, m in runs:
-        lines += ["", f"## {_label(s)}", "", "| epoch | train loss | test loss | test acc | epoch time (s) |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['epoch']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} | "
-                  f"{r['test_accuracy']:.4f} | {r['epoch_time_s']:.1f} |" for r in m]
+        q = _quality(s)
+        lines += ["", f"## {_label(s)}", "", f"| epoch | train loss | test loss | {q.replace('_', ' ')} | "
+                  "epoch time (s) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['epoch']} | {_num(r.get('train_loss'))} | {_num(r.get('test_loss'))} | "
+                  f"{_num(r.get(q))} | {_num(r.get('epoch_time_s'), '.1f')} |" for r in m]
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for fname, keys, ylabel in (("accuracy.png", ["test_accuracy"], "test accuracy"),
+    qualities = sorted({_quality(s) for _, s, _ in runs}, key=lambda k: (k not in QUALITY, k))
+    for fname, keys, ylabel in (("accuracy.png", None, ", ".join(k.replace("_", " ") for k in qualities)),
                                 ("loss.png", ["train_loss", "test_loss"], "loss")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for _, s, m in runs:
-            for k in keys:
-                ax.plot([r["epoch"] for r in m], [r[k] for r in m], marker="o",
-                        label=f"{_label(s)} {k if len(keys) > 1 else ''}".strip())
+            for k in keys or [_quality(s)]:
+                pts = [(r["epoch"], r[k]) for r in m if r.get(k) is not None]
+                ax.plot([e for e, _ in pts], [v for _, v in pts], marker="o",
+                        label=f"{_label(s)} {k if keys else ''}".strip())
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -185,3 +185,37 @@ def test_config_agreement_ignores_node_local_keys():
     c = load_config(SGC, ["train.lr_decay_epochs=[2]", "train.lr_schedule=step"])
     msg = _config_disagreement([_comparable_config(a), _comparable_config(c), _comparable_config(c)])
     assert "train.lr_decay_epochs: [] on rank 0, [2] on ranks 1,2" in msg and "train.lr_schedule" in msg
+
+
+def _fake_run(d, task_metrics, epochs):
+    import json
+
+    d.mkdir()
+    base = {"run_id": d.name, "world_size": 2, "layout": "data_parallel", "compression": {"method": "sgc"},
+            "mean_step_time_s": 0.01, "bytes_sent_per_step_per_rank": 1e3, "dense_bytes_per_step_per_rank": 2e5,
+            "compression_ratio": 200.0, "wall_time_s": 3.0, "final_train_loss": 2.0}
+    base.update({f"final_{k}": v for k, v in epochs[-1].items()})
+    (d / "summary.json").write_text(json.dumps(base))
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"epoch": i + 1, "train_loss": 2.0, "epoch_time_s": 1.0, **e}) + "\n" for i, e in enumerate(epochs)))
+
+
+def test_report_of_language_model_and_speech_runs(tmp_path):
+    """hgsgc report read final_test_accuracy / test_accuracy of every run: a language-model run
+    (perplexity; test split only at the end with train.test_every_epoch=false) or a speech run
+    (WER) ended in a KeyError traceback."""
+    from hgsgc.cli import main
+
+    _fake_run(tmp_path / "lm", None, [{"valid_loss": 5.0, "valid_perplexity": 150.0},
+                                      {"valid_loss": 4.9, "valid_perplexity": 140.0, "test_loss": 4.8,
+                                       "test_perplexity": 121.5}])
+    _fake_run(tmp_path / "asr", None, [{"test_loss": 1.5, "test_wer": 0.85, "test_cer": 0.4}])
+    _fake_run(tmp_path / "img", None, [{"test_loss": 0.5, "test_accuracy": 0.875}])
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["report", str(tmp_path / "lm"), str(tmp_path / "asr"), str(tmp_path / "img"), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "perplexity 121.5000" in md and "wer 0.8500" in md and "accuracy 0.8750" in md, md
+    assert "| 1 | 2.0000 | n/a | n/a | 1.0 |" in md, md  # the LM's first epoch had no test split
+    for png in ("accuracy.png", "loss.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
