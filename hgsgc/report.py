@@ -76,6 +76,7 @@ def report(run_dirs, out_dir: Optional[str] = None) -> str:
         run_dirs = [run_dirs]
     runs = [(d, *_load(d)) for d in run_dirs]
     out_dir = out_dir or run_dirs[0]
+    os.makedirs(out_dir, exist_ok=True)
     lines: List[str] = ["# hgsgc report", "",
                         "| run | world | test quality | test loss | mean step (ms) | sent/step/rank (kB) | "
                         "dense/step/rank (kB) | compression ratio | wall (s) |",

@@ -219,3 +219,13 @@ def test_report_of_language_model_and_speech_runs(tmp_path):
     assert "| 1 | 2.0000 | n/a | n/a | 1.0 |" in md, md  # the LM's first epoch had no test split
     for png in ("accuracy.png", "loss.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_creates_its_out_folder(tmp_path):
+    """hgsgc report --out NEW_FOLDER failed with 'No such file or directory: .../accuracy.png'."""
+    from hgsgc.cli import main
+
+    _fake_run(tmp_path / "img", None, [{"test_loss": 0.5, "test_accuracy": 0.875}])
+    out = tmp_path / "new" / "cmp"
+    assert main(["report", str(tmp_path / "img"), "--out", str(out)]) == 0
+    assert {"report.md", "accuracy.png", "loss.png"} <= set(os.listdir(out))
