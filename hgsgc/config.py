@@ -249,8 +249,8 @@ def validate(cfg: Config) -> None:
         bad("train.epochs", t.epochs, "must be >= 1")
     if t.batch_size < 1:
         bad("train.batch_size", t.batch_size, "must be >= 1 (examples per rank per step)")
-    if not t.lr > 0:
-        bad("train.lr", t.lr, "must be > 0")
+    if not (t.lr > 0 and math.isfinite(t.lr)):
+        bad("train.lr", t.lr, "must be a finite number > 0")
     if not 0 <= t.momentum < 1:
         bad("train.momentum", t.momentum, "must be in [0, 1)")
     if c.dense_vectors and not sparse:
@@ -306,9 +306,9 @@ def validate(cfg: Config) -> None:
             f"must be an integer in 1..train.batch_size ({t.batch_size}), e.g. 4")
     if h.wire_dtype not in ("float32", "float16"):
         bad("hourglass.wire_dtype", h.wire_dtype, "use float32 (exact) or float16 (half the bytes)")
-    if h.link_bandwidth_mbps is not None and not h.link_bandwidth_mbps > 0:
+    if h.link_bandwidth_mbps is not None and not (h.link_bandwidth_mbps > 0 and math.isfinite(h.link_bandwidth_mbps)):
         bad("hourglass.link_bandwidth_mbps", h.link_bandwidth_mbps,
-            "must be > 0 (Mbit/s), or null to probe the link at start-up")
+            "must be a finite number > 0 (Mbit/s), or null to probe the link at start-up")
     from hgsgc.hourglass.boundary import BoundaryCodec, BoundaryCodecError, check_pair
 
     for key in ("act_codec", "grad_codec"):
@@ -363,8 +363,12 @@ def _check_task(cfg: Config, bad) -> None:
         bad("train.progress_interval_s", t.progress_interval_s, "must be > 0 (seconds)")
     if d.bptt < 1 or d.vocab_size < 3 or d.n_mels < 1:
         bad("data.bptt/vocab_size/n_mels", (d.bptt, d.vocab_size, d.n_mels), "must be >= 1 (vocab_size >= 3)")
-    if not m.width > 0:
-        bad("model.width", m.width, "must be > 0, e.g. 0.25")
+    if not (m.width > 0 and math.isfinite(m.width)):
+        bad("model.width", m.width, "must be a finite number > 0, e.g. 0.25")
+    if not m.dropout < 1:
+        bad("model.dropout", m.dropout, "must be < 1 (a probability; < 0 = the model's setting)")
+    if any(e < 1 for e in t.lr_decay_epochs):
+        bad("train.lr_decay_epochs", list(t.lr_decay_epochs), "epochs are 1-based: each must be >= 1")
 
 
 def _fc_sparse(cfg: Config) -> bool:

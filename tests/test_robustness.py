@@ -1,5 +1,6 @@
 """Robustness: combinations of settings that must load, convert and fail (or not) with one clear line."""
 import os
+import re
 
 import pytest
 
@@ -229,3 +230,21 @@ def test_report_creates_its_out_folder(tmp_path):
     out = tmp_path / "new" / "cmp"
     assert main(["report", str(tmp_path / "img"), "--out", str(out)]) == 0
     assert {"report.md", "accuracy.png", "loss.png"} <= set(os.listdir(out))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.lr=inf", "train.lr=inf is invalid"),
+    ("model.width=inf", "model.width=inf is invalid"),
+    ("train.lr_decay_epochs=[0]", "train.lr_decay_epochs=[0] is invalid"),
+    ("train.lr_decay_epochs=[3,-1]", "train.lr_decay_epochs=[3, -1] is invalid"),
+    ("model.dropout=1.5", "model.dropout=1.5 is invalid"),
+    ("layout=hourglass hourglass.link_bandwidth_mbps=inf", "hourglass.link_bandwidth_mbps=inf is invalid"),
+])
+def test_out_of_range_numbers_are_config_errors(override, needle):
+    """Accepted before: an infinite learning rate / width / link, 1-based decay epochs <= 0 (read
+    as epoch 1), LSTM dropout >= 1 (a Keras error at model build, not naming the key)."""
+    from hgsgc.config import ConfigError
+
+    ov = override.split() + (["train.lr_schedule=step"] if "decay" in override else [])
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(SGC, ov)
