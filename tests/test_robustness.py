@@ -248,3 +248,20 @@ def test_out_of_range_numbers_are_config_errors(override, needle):
     ov = override.split() + (["train.lr_schedule=step"] if "decay" in override else [])
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(SGC, ov)
+
+
+def test_split_of_a_variable_length_model_is_a_split_error():
+    """split_model converted the boundary shape to ints before its None check: the speech model
+    (time steps None) ended in a TypeError traceback in hgsgc plan and in layout: auto (which
+    runs such a model data-parallel on a SplitError)."""
+    from hgsgc import perfmodel as pm
+    from hgsgc.hourglass.split import SplitError, split_model
+    from hgsgc.models import build_model
+    from hgsgc.plan import hourglass_inputs
+
+    model = build_model("ctc_small", seed=0)
+    with pytest.raises(SplitError, match="variable"):
+        split_model(model)
+    cfg = load_config(os.path.join(ROOT, "configs", "librispeech_ctc", "sgc.yaml"))
+    inp, info = hourglass_inputs(cfg, model, 4, pm.link_for("1gbit"), 1e-3, 0.05, 1, {})
+    assert inp is None and info["reason"].startswith("no conv/FC boundary") and "variable" in info["reason"]

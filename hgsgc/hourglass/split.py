@@ -146,9 +146,10 @@ def split_model(model: tf.keras.Model, split_layer: Optional[str] = None) -> Spl
         raise SplitError(f"cannot split model {model.name!r} at {name!r}: the head needs tensors "
                          f"other than {name!r}'s input (a connection across the boundary): "
                          f"{str(exc).splitlines()[0]}") from None
-    shape = tuple(int(s) for s in boundary.shape[1:])
     if any(s is None for s in boundary.shape[1:]):
-        raise SplitError(f"boundary tensor at {name!r} has unknown shape {boundary.shape}")
+        raise SplitError(f"boundary tensor at {name!r} has a variable (unknown) shape {tuple(boundary.shape)}: "
+                         f"the Hourglass layout needs a fixed shape per example: use layout=data_parallel")
+    shape = tuple(int(s) for s in boundary.shape[1:])
     n_model = len(model.trainable_variables)
     if len(trunk.trainable_variables) + len(head.trainable_variables) != n_model:
         raise SplitError(f"split at {name!r} does not partition the model's variables")
