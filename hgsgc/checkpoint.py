@@ -216,6 +216,10 @@ def read_manifest(path: str) -> dict:
         with open(mpath, "rb") as f:
             man = json.loads(f.read().decode())
     except FileNotFoundError:
+        if not os.path.isdir(path):
+            raise CheckpointError(f"checkpoint {path} does not exist: check checkpoint.resume (a "
+                                  f"checkpoint folder such as <checkpoint.dir>/step-00000100, or auto "
+                                  f"or never)") from None
         raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete "
                               f"(its writer stopped half-way)") from None
     except (OSError, ValueError) as exc:

@@ -265,3 +265,16 @@ def test_split_of_a_variable_length_model_is_a_split_error():
     cfg = load_config(os.path.join(ROOT, "configs", "librispeech_ctc", "sgc.yaml"))
     inp, info = hourglass_inputs(cfg, model, 4, pm.link_for("1gbit"), 1e-3, 0.05, 1, {})
     assert inp is None and info["reason"].startswith("no conv/FC boundary") and "variable" in info["reason"]
+
+
+def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
+    """checkpoint.resume=<a path that does not exist> said the checkpoint was incomplete (its
+    writer stopped half-way), pointing at a crash that never happened."""
+    from hgsgc import checkpoint as ckpt
+
+    missing = str(tmp_path / "step-00000007")
+    with pytest.raises(ckpt.CheckpointError, match=r"does not exist.*checkpoint\.resume"):
+        ckpt.resolve(str(tmp_path), missing, {"world_size": 1})
+    os.makedirs(missing)  # a folder without a manifest is still the incomplete case
+    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
+        ckpt.resolve(str(tmp_path), missing, {"world_size": 1})
