@@ -14,6 +14,7 @@ with Horovod); then the weights are identical on every rank right after each syn
 """
 from __future__ import annotations
 
+import numbers
 import sys
 
 import horovod.tensorflow as hvd
@@ -401,7 +402,8 @@ class DistributedGradientTape:
                     "needs the momentum: pass DistributedGradientTape(..., momentum=0.9) and apply "
                     "the result with an optimizer whose momentum is 0, or use "
                     "hgsgc.DistributedOptimizer(SGD(momentum=0.9), compression=...)")
-            if not (isinstance(momentum, (int, float)) and 0.0 <= float(momentum) < 1.0):
+            if isinstance(momentum, bool) or not (isinstance(momentum, numbers.Real)
+                                                  and 0.0 <= float(momentum) < 1.0):
                 raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
             momentum = float(momentum)
         else:

@@ -278,3 +278,24 @@ def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
     os.makedirs(missing)  # a folder without a manifest is still the incomplete case
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
         ckpt.resolve(str(tmp_path), missing, {"world_size": 1})
+
+
+def test_tape_takes_a_numpy_momentum():
+    """DistributedGradientTape(momentum=np.float32(0.9)) was refused: 'momentum must be a number
+    in [0, 1), got 0.9' (only Python int/float were numbers); a bool is still refused."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    import hgsgc
+
+    hvd.init()
+    w = tf.Variable(np.ones(8, np.float32))
+    for m in (np.float32(0.9), np.float64(0.9), 0.9):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w)
+        tape = hgsgc.DistributedGradientTape(t, compression=hgsgc.Compression.dgc(1.0), momentum=m)
+        (g,) = tape.gradient(loss, [w])
+        assert np.isfinite(g.numpy()).all()
+    with pytest.raises(ValueError, match="momentum must be a number"):
+        hgsgc.DistributedGradientTape(tf.GradientTape(), compression=hgsgc.Compression.dgc(1.0), momentum=True)
