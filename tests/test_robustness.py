@@ -262,9 +262,17 @@ def test_split_of_a_variable_length_model_is_a_split_error():
     model = build_model("ctc_small", seed=0)
     with pytest.raises(SplitError, match="variable"):
         split_model(model)
-    cfg = load_config(os.path.join(ROOT, "configs", "librispeech_ctc", "sgc.yaml"))
+    # the split layer given explicitly: hgsgc plan reaches split_model and reports its SplitError
+    cfg = load_config(os.path.join(ROOT, "configs", "librispeech_ctc", "sgc.yaml"),
+                      ["hourglass.split_layer=" + split_layer_after_conv(model)])
     inp, info = hourglass_inputs(cfg, model, 4, pm.link_for("1gbit"), 1e-3, 0.05, 1, {})
     assert inp is None and info["reason"].startswith("no conv/FC boundary") and "variable" in info["reason"]
+
+
+def split_layer_after_conv(model):
+    from hgsgc.hourglass.split import find_boundary
+
+    return find_boundary(model, None)
 
 
 def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
@@ -299,3 +307,16 @@ def test_tape_takes_a_numpy_momentum():
         assert np.isfinite(g.numpy()).all()
     with pytest.raises(ValueError, match="momentum must be a number"):
         hgsgc.DistributedGradientTape(tf.GradientTape(), compression=hgsgc.Compression.dgc(1.0), momentum=True)
+
+
+def test_plan_says_why_a_recurrent_model_has_no_hourglass_row():
+    """hgsgc plan on the LSTM said 'model 'lstm_small' has 5 inputs and 5 outputs: the Hourglass
+    split supports one of each' (the LSTM's state tensors); it now names what the model is, as
+    the config check of layout=hourglass does."""
+    from hgsgc import perfmodel as pm
+    from hgsgc.plan import hourglass_inputs
+
+    for name in ("ptb_lstm/sgc.yaml", "librispeech_ctc/sgc.yaml"):
+        cfg = load_config(os.path.join(ROOT, "configs", name))
+        inp, info = hourglass_inputs(cfg, None, 4, pm.link_for("1gbit"), 1e-3, 0.05, 1, {})
+        assert inp is None and info["reason"].startswith(f"no conv/FC boundary: model {cfg.model.name} has none (a ")
