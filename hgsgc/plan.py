@@ -214,6 +214,11 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
     model, built = build_plan_model(cfg)
     shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
     if compute_s is None:
+        why = _no_random_batch(model)
+        if why:
+            raise ValueError(f"cannot measure the compute step of model {cfg.model.name} on a random batch "
+                             f"({why}): pass --compute-ms, e.g. 1000 x mean_step_time_s of a one-rank run's "
+                             f"summary.json")
         compute_s = pm.measure_compute_s(model, cfg.train.batch_size, reps=max(reps, 3))
     rows, costs_by_label = [], {}
     for label, comp in plan_candidates(cfg):
@@ -236,6 +241,17 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
               "parameters": int(sum(math.prod(s) for s in shapes)), "model_built_from": built}
     return {"inputs": inputs, "hourglass_inputs": inp.to_dict() if inp is not None else None,
             "hourglass": info, "rows": rank_rows(rows, int(nodes), cfg.train.batch_size, steps_to_target)}
+
+
+def _no_random_batch(model) -> Optional[str]:
+    """Why :func:`hgsgc.perfmodel.measure_compute_s` (one random batch of one fixed-shape input)
+    cannot time ``model``, or None."""
+    ins = list(model.inputs or [])
+    if len(ins) != 1:
+        return f"it takes {len(ins)} inputs"
+    if any(d is None for d in ins[0].shape[1:]):
+        return f"its input shape {tuple(ins[0].shape)} has variable dimensions"
+    return None
 
 
 def build_plan_model(cfg):
@@ -356,8 +372,12 @@ def plan_main(args) -> int:
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     link = pm.link_for(rate, bidir_factor=1.0 if args.tuned else None)
-    res = plan(cfg, args.nodes, rate, compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
-               reps=args.reps, link=link, steps_to_target=steps, cycle_s=pm.horovod_cycle_s())
+    try:
+        res = plan(cfg, args.nodes, rate, compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
+                   reps=args.reps, link=link, steps_to_target=steps, cycle_s=pm.horovod_cycle_s())
+    except ValueError as exc:
+        print(f"hgsgc plan: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     print(format_plan(res))
     if args.json:
         try:

@@ -320,3 +320,15 @@ def test_plan_says_why_a_recurrent_model_has_no_hourglass_row():
         cfg = load_config(os.path.join(ROOT, "configs", name))
         inp, info = hourglass_inputs(cfg, None, 4, pm.link_for("1gbit"), 1e-3, 0.05, 1, {})
         assert inp is None and info["reason"].startswith(f"no conv/FC boundary: model {cfg.model.name} has none (a ")
+
+
+@pytest.mark.parametrize("config,why", [("ptb_lstm/sgc.yaml", "inputs"),
+                                        ("librispeech_ctc/sgc.yaml", "variable")])
+def test_plan_of_sequence_models_without_compute_ms_is_one_line(config, why):
+    """hgsgc plan measures the compute step on a random batch of one fixed-shape input: the LSTM
+    (5 inputs) and the speech model (variable length) ended in a TypeError traceback in
+    perfmodel._random_batch. Now one line asking for --compute-ms, exit 2."""
+    r = _hgsgc("plan", f"configs/{config}", "--nodes", "4", "--bandwidth", "1gbit", "--reps", "1")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert "--compute-ms" in lines[0] and why in lines[0], lines[0]
