@@ -423,23 +423,10 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     if errors:
         raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
     # every rank at once: the contention the alone measurements do not see (collective)
-    try:
-        together, err = measure_together(comm, split, x), None
-    except Exception as exc:  # reported on every rank, never left to hang the others
-        together, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
-    together_all = comm.allgather((together, err))
-    errors = [e for _, e in together_all if e]
-    if errors:
-        raise RuntimeError("layout=auto: measurement of all ranks at once failed on " + "; ".join(errors))
+    together_all = _on_every_rank(comm, "measurement of all ranks at once",
+                                  lambda: measure_together(comm, split, x))
     # what a waiting rank burns (Horovod's background thread + hgsgc's poll loop), collective
-    try:
-        wait_cpu, err = measure_wait_cpu(comm), None
-    except Exception as exc:  # reported on every rank, never left to hang the others
-        wait_cpu, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
-    wait_all = comm.allgather((wait_cpu, err))
-    errors = [e for _, e in wait_all if e]
-    if errors:
-        raise RuntimeError("layout=auto: measurement of the waiting ranks' CPU failed on " + "; ".join(errors))
+    wait_all = _on_every_rank(comm, "measurement of the waiting ranks' CPU", lambda: measure_wait_cpu(comm))
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
     report = None
     if comm.Get_rank() == 0:
@@ -447,7 +434,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
         cost = meas["compression_cost"]
         n = comm.Get_size()
         alone = [m["t_conv"] * len(x) for m, _ in gathered]
-        windows = [t for t, _ in together_all]
+        windows = list(together_all)
         cores, slowdown = effective_cores(machines["machine_of"], machines["machine_cores"], alone, windows,
                                           meas["cpu_parallelism"])
         contention = slowdown_windows(machines["machine_of"], alone, windows)
@@ -466,7 +453,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             machine_of=tuple(machines["machine_of"]), machine_cores=tuple(cores),
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
             conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"],
-            wait_cpu_cores=float(np.median([w for w, _ in wait_all])))
+            wait_cpu_cores=float(np.median(wait_all)))
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
             hourglass_only=hourglass_only)
@@ -482,7 +469,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
                                            "windows": len(contention["per_window"][0]), "gap_s": TOGETHER_GAP_S,
                                            "slowdown_per_machine": slowdown, "effective_cores": cores},
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
-                              "wait_cpu_cores_per_rank": [w for w, _ in wait_all],
+                              "wait_cpu_cores_per_rank": list(wait_all),
                               "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
         report["link"] = link
     report = comm.bcast(report, root=0)
@@ -498,6 +485,27 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             f"{report['inputs']['wait_cpu_cores']:.3f} cores busy (median over ranks of "
             f"{[round(v, 3) for v in report['measured']['wait_cpu_cores_per_rank']]})")
     return report
+
+
+def _on_every_rank(comm, what: str, measure):
+    """``measure()`` on every rank, then one allgather of ``(value, error)`` that every rank
+    reaches, failed or not: a failure on any rank raises on all of them (never a hang).
+
+    Returns:
+        the list of the ranks' values, in rank order.
+
+    Raises:
+        RuntimeError: ``"layout=auto: <what> failed on rank r: <Type>: <message>; ..."``.
+    """
+    try:
+        value, err = measure(), None
+    except Exception as exc:  # reported on every rank, never left to hang the others
+        value, err = None, f"rank {comm.Get_rank()}: {type(exc).__name__}: {exc}"
+    gathered = comm.allgather((value, err))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError(f"layout=auto: {what} failed on " + "; ".join(errors))
+    return [v for v, _ in gathered]
 
 
 def run(cfg, run_layout, log=print) -> dict:
