@@ -67,6 +67,12 @@ def fixed(monkeypatch):
     monkeypatch.setattr(costmodel, "find_machines", lambda comm, **k: {
         "machine_of": list(range(N)), "machine_cores": [2.0] * N, "how": ["fake"] * N, "rank_cores": [2] * N})
     monkeypatch.setattr(costmodel, "take_turns", lambda comm, machine_of, fn, timeout_s=0.0: (fn(), None))
+    # auto.choose shuts down a Horovod of an earlier run in this process (as layout: auto must);
+    # here that is the Horovod test modules initialised at import (test_optimizer, ...), which
+    # cannot be initialised again in this process: keep it (the measurements are fixed above)
+    import horovod.tensorflow as hvd
+
+    monkeypatch.setattr(hvd, "shutdown", lambda: None)
 
 
 def _plan_steps(cfg):
