@@ -49,6 +49,28 @@ def test_topk_error_feedback_matches_numpy():
                                rtol=1e-6, atol=1e-7)
 
 
+def _dgc_reference(w0, gs, k, lr, m, masking):
+    """Numpy DGC step (Lin et al. 2018, Alg. 1): velocity ``u = m u + g``, top-k of ``v + u`` sent,
+    residual ``v`` keeps the rest; with ``masking`` the sent entries of ``u`` are cleared.
+    Returns the weights, the sum of the sent updates, the sum of the velocities, the residual."""
+    n = w0.size
+    w, u, v = w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    applied, us = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for g in gs:
+        u = m * u + g
+        us += u
+        a = v + u
+        idx = ref.topk_indices(a, k)
+        sent = np.zeros(n, np.float32)
+        sent[idx] = a[idx]
+        v = a - sent
+        if masking:
+            u[idx] = 0.0                                 # momentum factor masking
+        applied += sent
+        w = w - lr * sent
+    return w, applied, us, v
+
+
 def test_momentum_correction_matches_dgc_reference():
     """DGC (Lin et al. 2018, Alg. 1 with momentum correction and factor masking) on one rank."""
     rng = np.random.default_rng(2)
@@ -60,17 +82,7 @@ def test_momentum_correction_matches_dgc_reference():
         compression=hgsgc.Compression.sgc(k / n, bits=32, momentum_correction=True))
     assert opt.get_config()["momentum"] == 0.0          # momentum moved before sparsification
     got = _run(opt, gs, w0)
-    w, u, v = w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
-    for g in gs:
-        u = m * u + g
-        a = v + u
-        idx = ref.topk_indices(a, k)
-        sent = np.zeros(n, np.float32)
-        sent[idx] = a[idx]
-        v = a - sent
-        u[idx] = 0.0                                     # momentum factor masking
-        w = w - lr * sent
-    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _dgc_reference(w0, gs, k, lr, m, masking=True)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_momentum_correction_without_masking_matches_reference():
@@ -84,18 +96,7 @@ def test_momentum_correction_without_masking_matches_reference():
         tf.keras.optimizers.legacy.SGD(lr, momentum=m),
         compression=hgsgc.Compression.sgc(k / n, bits=32, momentum_correction=True, momentum_masking=False))
     got = _run(opt, gs, w0)
-    w, u, v, applied = w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
-    us = np.zeros(n, np.float32)
-    for g in gs:
-        u = m * u + g                                    # no masking: u is never cleared
-        us += u
-        a = v + u
-        idx = ref.topk_indices(a, k)
-        sent = np.zeros(n, np.float32)
-        sent[idx] = a[idx]
-        v = a - sent
-        applied += sent
-        w = w - lr * sent
+    w, applied, us, v = _dgc_reference(w0, gs, k, lr, m, masking=False)
     np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(applied, us - v, rtol=1e-5, atol=1e-5)  # sum of u_t applied, less the residual
 
