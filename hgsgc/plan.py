@@ -137,14 +137,13 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     from hgsgc.hourglass.costmodel import configured_codecs
     from hgsgc.hourglass.split import SplitError, split_model
 
-    from hgsgc.models import BOUNDARY, WHY_NO_BOUNDARY
+    from hgsgc.models import why_no_boundary
 
     if nodes < 2:
         return None, {"reason": "one node: no Hourglass layout"}
-    if cfg.hourglass.split_layer is None and cfg.model.name in WHY_NO_BOUNDARY \
-            and BOUNDARY.get(cfg.model.name) is None:  # say what the model is, not how splitting fails
-        return None, {"reason": f"no conv/FC boundary: model {cfg.model.name} has none "
-                                f"({WHY_NO_BOUNDARY[cfg.model.name]})"}
+    why = why_no_boundary(cfg.model.name, cfg.hourglass.split_layer)
+    if why:  # say what the model is, not how splitting fails
+        return None, {"reason": f"no conv/FC boundary: model {cfg.model.name} has none ({why})"}
     try:
         split = split_model(model, cfg.hourglass.split_layer)
     except SplitError as exc:

@@ -532,14 +532,13 @@ def run(cfg, run_layout, log=print) -> dict:
     tf.keras.utils.set_random_seed(cfg.run.seed)
     # the configured task's data and model (format, width, input shape, classes), as the runners
     # build them; a DataError here is raised on every rank, before any collective
-    from hgsgc.models import BOUNDARY, WHY_NO_BOUNDARY
+    from hgsgc.models import why_no_boundary
 
     task = make_task(cfg)
     try:
-        if cfg.hourglass.split_layer is None and cfg.model.name in WHY_NO_BOUNDARY \
-                and BOUNDARY.get(cfg.model.name) is None:  # what the model is, not how splitting fails
-            raise SplitError(f"model {cfg.model.name} has no conv/FC boundary "
-                             f"({WHY_NO_BOUNDARY[cfg.model.name]})")
+        why = why_no_boundary(cfg.model.name, cfg.hourglass.split_layer)
+        if why:  # what the model is, not how splitting fails
+            raise SplitError(f"model {cfg.model.name} has no conv/FC boundary ({why})")
         split = split_model(task.build_model(), cfg.hourglass.split_layer)
     except SplitError as exc:
         split, reason = None, str(exc)

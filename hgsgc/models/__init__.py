@@ -38,6 +38,16 @@ def has_boundary(name: str) -> bool:
     return BOUNDARY.get(name) is not None
 
 
+def why_no_boundary(name: str, split_layer: Optional[str] = None) -> Optional[str]:
+    """What model ``name`` is, when it is a built-in model without a conv/FC boundary and no
+    ``split_layer`` names one (e.g. ``"a recurrent language model: embedding, LSTMs, softmax"``);
+    else None (the split is tried, and :class:`hgsgc.hourglass.split.SplitError` says why it fails).
+    The config check, ``hgsgc plan`` and ``layout: auto`` word their refusals with it."""
+    if split_layer is None and not has_boundary(name):
+        return WHY_NO_BOUNDARY.get(name)
+    return None
+
+
 def build_model(name: str = "alexnet_small", num_classes: int = 10, seed: int = 0, fc_units=(512, 256),
                 input_shape=None, width: float = 1.0, units: Optional[int] = None,
                 dropout: Optional[float] = None):
