@@ -205,9 +205,16 @@ def test_local_clipping_and_models_identical_across_ranks(result):
     for r in result["ranks"]:
         assert r["local_clip_max_err"] < 1e-6
         assert abs(r["local_clip_norm"] - 2.0 / math.sqrt(n)) < 1e-5
-        for method in ("dgc", "terngrad", "powersgd"):
+        for method in ("dgc", "dgc_nomask", "terngrad", "powersgd"):
             assert r["optimizer"][method]["spread"] == 0.0, method
             assert r["optimizer"][method]["moved"] > 0.0, method
+
+
+@pytest.mark.mpi
+def test_momentum_correction_without_masking_at_density_one_is_momentum_of_the_average(result):
+    """compression.momentum_masking=false under mpirun (check_baselines.py part 5)."""
+    for r in result["ranks"]:
+        assert r["nomask_density1_err"] < 1e-5, r["nomask_density1_err"]
 
 
 @pytest.mark.mpi
