@@ -20,6 +20,7 @@ Bytes per rank per exchange: see :mod:`hgsgc.costs` and the reducers' docstrings
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import horovod.tensorflow as hvd
@@ -142,6 +143,9 @@ class Exchanger:
             out = costs.node_cost(self.plan().hosts, self.rank, P)
         else:
             out = costs.allgather_cost(n, P)
+            groups = self._allgather_groups(shapes)
+            out["messages"] *= groups
+            out["rounds"] *= groups
         if dense:  # dense_vectors: plus one fp32 ring allreduce of the rank < 2 tensors
             r = costs.ring_allreduce_bytes(n, dense)
             for key in ("bytes_sent", "bytes_received", "inter_bytes_sent", "inter_bytes_received"):
@@ -150,6 +154,19 @@ class Exchanger:
             out["rounds"] += costs.ring_allreduce_rounds(n)
         out["payload_bytes"] = P + dense
         return out
+
+    def _allgather_groups(self, shapes) -> int:
+        """Allgathers per sparse exchange of ``shapes``: ``compression.buckets`` groups at most
+        (:func:`hgsgc.compression.reducers.bucket_indices`), 1 without buckets."""
+        comp = self._compression
+        if getattr(comp, "buckets", 1) == 1:
+            return 1
+        from hgsgc.compression.reducers import bucket_indices
+
+        codec = comp.codec()
+        numels = [int(math.prod(int(d) for d in s)) for s in shapes if not comp.dense_shape(s)]
+        sizes = [codec.payload_length(m) for m in numels if m > 0]  # empty tensors pass through
+        return max(1, len(bucket_indices(sizes, comp.buckets)))
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
         """The rank's payload in bytes for one exchange of float32 tensors of ``shapes``."""

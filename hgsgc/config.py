@@ -97,6 +97,7 @@ class CompressionConfig:
     warmup_steps: int = 0  # DGC warm-up of sparsity: density 0.25 -> 0.004 in 4 stages
     local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
     dense_vectors: bool = False  # topk/sgc/dgc: biases and batch-norm parameters (rank < 2) averaged densely, as DGC
+    buckets: int = 1  # topk/sgc/dgc with hierarchy allgather: allgathers per exchange, last layers first (overlap with the backward pass)
     powersgd_rank: int = 4  # PowerSGD rank r
     terngrad_clip_sigma: float = 2.5  # TernGrad gradient clipping at c standard deviations (0 = off)
 
@@ -253,6 +254,11 @@ def validate(cfg: Config) -> None:
         bad("train.lr", t.lr, "must be a finite number > 0")
     if not 0 <= t.momentum < 1:
         bad("train.momentum", t.momentum, "must be in [0, 1)")
+    if isinstance(c.buckets, bool) or not isinstance(c.buckets, int) or c.buckets < 1:
+        bad("compression.buckets", c.buckets, "must be an integer >= 1 (1 = one fused allgather per exchange)")
+    if c.buckets > 1 and (not sparse or c.hierarchy != "allgather"):
+        bad("compression.buckets", c.buckets, "splits the flat allgather of top-k payloads: needs "
+                                              "method topk, sgc or dgc with hierarchy=allgather")
     if c.dense_vectors and not sparse:
         bad("compression.dense_vectors", c.dense_vectors,
             "dense averaging of rank < 2 tensors is part of the sparse methods: use method topk, sgc or dgc, "

@@ -44,7 +44,9 @@ def _check_unsupported(op, gradient_predivide_factor, backward_passes_per_step, 
         raise ValueError("backward_passes_per_step > 1 is not supported: use "
                          "Compression.sgc(..., delay=H) for fewer synchronizations")
     if groups is not None or num_groups:
-        raise ValueError("groups/num_groups are not needed: hgsgc sends one fused payload per step")
+        raise ValueError("groups/num_groups are not supported: hgsgc sends one fused payload per step "
+                         "(Compression.sgc/topk/dgc(..., buckets=B) splits it into B allgathers, "
+                         "last layers first)")
 
 
 class _HgsgcOptimizerMixin:

@@ -120,6 +120,15 @@ class SparseCompression:
             deep-gradient-compression, ``train.py``). With ``momentum_correction`` their momentum
             is applied after the average, ``u = m u + avg`` (plain momentum SGD). At density
             0.01 a 16-entry batch-norm scale would otherwise send 1 entry per step.
+        buckets: ``hierarchy="allgather"`` only: the number of allgathers per exchange (>= 1).
+            1 (default): every tensor's payload in one fused allgather after the whole backward
+            pass. B > 1: the tensors are cut, in reverse order (the last layers' gradients
+            exist first in the backward pass), into at most B contiguous groups of about equal
+            payload (:func:`hgsgc.compression.reducers.bucket_indices`), each exchanged by its
+            own allgather as soon as its gradients are encoded, so TensorFlow's executor can
+            run the first exchanges while earlier layers' gradients are still computed. Top-k,
+            error feedback and the averages are per tensor, so they are the same bit for bit
+            for every B; only the number of collectives (``messages``) changes.
     """
 
     density: float
@@ -133,6 +142,7 @@ class SparseCompression:
     local_clip_norm: Optional[float] = None
     dense_vectors: bool = False
     momentum_masking: bool = True
+    buckets: int = 1
 
     def __post_init__(self):
         if isinstance(self.density, (str, bytes, bool)):
@@ -166,6 +176,11 @@ class SparseCompression:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if not isinstance(self.dense_vectors, bool):
             raise ValueError(f"dense_vectors must be True or False, got {self.dense_vectors!r}")
+        if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1:
+            raise ValueError(f"buckets must be an integer >= 1 (1 = one fused allgather), got {self.buckets!r}")
+        if self.buckets > 1 and self.hierarchy != "allgather":
+            raise ValueError(f"buckets={self.buckets} splits the flat allgather: it needs "
+                             f"hierarchy='allgather', got {self.hierarchy!r}")
         if self.local_clip_norm is not None:
             _check_positive("local_clip_norm", self.local_clip_norm, "e.g. local_clip_norm=5.0")
             if self.delay != 1:
@@ -214,7 +229,8 @@ class SparseCompression:
         from hgsgc.compression.wrappers import ErrorFeedback, MomentumCorrection, Pipeline
 
         codec = self.codec()
-        red = Allgather(codec) if self.hierarchy == "allgather" else Hierarchical(codec, env.plan)
+        red = (Allgather(codec, self.buckets) if self.hierarchy == "allgather"
+               else Hierarchical(codec, env.plan))
         if self.error_feedback:
             red = ErrorFeedback(red, env.stores["residuals"])
         if self.momentum_correction:
@@ -392,19 +408,22 @@ class Compression:
     @staticmethod
     def topk(density: float, bits: int = 32, selector: str = "exact",
              error_feedback: bool = True, hierarchy: str = "allgather",
-             momentum_correction: bool = False, momentum_masking: bool = True) -> SparseCompression:
+             momentum_correction: bool = False, momentum_masking: bool = True,
+             buckets: int = 1) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
                                  error_feedback=error_feedback, method="topk",
                                  hierarchy=hierarchy, momentum_correction=momentum_correction,
-                                 momentum_masking=momentum_masking)
+                                 momentum_masking=momentum_masking, buckets=buckets)
 
     @staticmethod
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
             selector: str = "sampled", error_feedback: bool = True,
-            momentum_correction: bool = False, momentum_masking: bool = True) -> SparseCompression:
+            momentum_correction: bool = False, momentum_masking: bool = True,
+            buckets: int = 1) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
                                  selector=selector, error_feedback=error_feedback, method="sgc",
-                                 momentum_correction=momentum_correction, momentum_masking=momentum_masking)
+                                 momentum_correction=momentum_correction, momentum_masking=momentum_masking,
+                                 buckets=buckets)
 
     @staticmethod
     def localsgd(delay: int) -> DenseCompression:
@@ -412,10 +431,12 @@ class Compression:
 
     @staticmethod
     def dgc(density: float, local_clip_norm: Optional[float] = None, selector: str = "sampled",
-            hierarchy: str = "allgather", momentum_masking: bool = True) -> SparseCompression:
+            hierarchy: str = "allgather", momentum_masking: bool = True,
+            buckets: int = 1) -> SparseCompression:
         return SparseCompression(density=density, bits=32, delay=1, selector=selector,
                                  method="dgc", hierarchy=hierarchy, momentum_correction=True,
-                                 local_clip_norm=local_clip_norm, momentum_masking=momentum_masking)
+                                 local_clip_norm=local_clip_norm, momentum_masking=momentum_masking,
+                                 buckets=buckets)
 
     @staticmethod
     def terngrad(clip_sigma: float = 2.5) -> TernGradCompression:
@@ -484,7 +505,7 @@ def _sparse_from_config(method):
             error_feedback=c.error_feedback, method=method,
             momentum_correction=c.momentum_correction or method == "dgc",
             local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors),
-            momentum_masking=bool(c.momentum_masking))
+            momentum_masking=bool(c.momentum_masking), buckets=getattr(c, "buckets", 1))
     return build
 
 

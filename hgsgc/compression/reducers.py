@@ -17,7 +17,7 @@ TernGrad's and PowerSGD's reducers live with their algorithms (:mod:`.terngrad`,
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -71,14 +71,67 @@ class DenseAllreduce:
         return out
 
 
+def bucket_indices(sizes: Sequence[int], buckets: int) -> List[List[int]]:
+    """Cut tensors ``0..len(sizes)-1`` into at most ``buckets`` allgather groups, last tensor first.
+
+    Walking from the last tensor to the first (the order in which a backward pass produces the
+    gradients of a model whose variables are listed in forward order), a group is closed as soon
+    as the payload walked so far reaches ``(g + 1) / buckets`` of the total ``P = sum(sizes)``
+    (``g`` groups closed before). So every group but the last holds at least ``P / buckets``
+    bytes minus the previous groups' excess, one large tensor may take several shares, and the
+    first layers' tensors (ready last) end in the last, usually small, group.
+
+    Args:
+        sizes: payload bytes per tensor (ints >= 0), in the exchange's tensor order.
+        buckets: the most groups (int >= 1).
+
+    Returns:
+        the groups in exchange order (group 0 = the last tensors); each a list of tensor indices
+        in ascending order. Every index appears exactly once; ``buckets=1`` gives one group
+        ``[0, ..., len(sizes) - 1]``; no group is empty.
+
+    Raises:
+        ValueError: ``buckets`` not an integer >= 1, or a size < 0.
+    """
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+        raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
+    if any(int(s) < 0 for s in sizes):
+        raise ValueError(f"payload sizes must be >= 0, got {list(sizes)}")
+    m = len(sizes)
+    if m == 0:
+        return []
+    if buckets == 1:
+        return [list(range(m))]
+    total = sum(int(s) for s in sizes)
+    groups, cur, acc = [], [], 0
+    for i in range(m - 1, -1, -1):
+        cur.append(i)
+        acc += int(sizes[i])
+        if len(groups) < buckets - 1 and acc * buckets >= (len(groups) + 1) * total and i > 0:
+            groups.append(sorted(cur))
+            cur = []
+    if cur:
+        groups.append(sorted(cur))
+    return groups
+
+
 class Allgather(Reducer):
-    """Flat exchange of codec payloads through one allgather (module docstring).
+    """Flat exchange of codec payloads through allgathers (module docstring).
 
     ``contributed`` is this rank's decoded payload (``sent``), all of which is in the sum.
+
+    Args:
+        codec: encodes / decodes one tensor's payload.
+        buckets: 1 (default): one allgather of every tensor's payload. B > 1: at most B
+            allgathers, the tensors grouped by :func:`bucket_indices` (last tensors first), each
+            issued as soon as its own payloads are encoded (no dependency on the other groups),
+            so it can overlap the rest of the backward pass inside one ``tf.function``. The
+            per-tensor payloads, decodes and averages do not depend on B.
     """
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, buckets: int = 1):
         self.codec = codec
+        self.buckets = buckets
 
     def reduce(self, views, names, ctx: Context, residuals=None):
         """See :class:`Reducer`. ``residuals`` (error feedback fused into the codec, from
@@ -96,20 +149,22 @@ class Allgather(Reducer):
             payloads.append(payload)
             sents.append(sent)
             sizes.append(int(payload.shape[0]))
-        P = sum(sizes)
-        buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
-        gathered = tf.reshape(ctx.comm.allgather(buf), [n, P])
-        ctx.comm.count(payload_bytes=P)
-        avgs, off = [], 0
-        for a, p in zip(views, sizes):
-            numel = int(a.shape[0])
-            if hasattr(self.codec, "decode_sum"):  # all n payloads in one pass each (hgsgc.ops)
-                total = self.codec.decode_sum(gathered, numel, off)
-            else:
-                dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
-                total = tf.add_n(dense) if n > 1 else dense[0]
-            off += p
-            avgs.append(total / float(n))
+        avgs = [None] * len(views)
+        for group in bucket_indices(sizes, self.buckets):
+            P = sum(sizes[i] for i in group)
+            buf = tf.concat([payloads[i] for i in group], 0) if len(group) > 1 else payloads[group[0]]
+            gathered = tf.reshape(ctx.comm.allgather(buf), [n, P])
+            ctx.comm.count(payload_bytes=P)
+            off = 0
+            for i in group:
+                numel, p = int(views[i].shape[0]), sizes[i]
+                if hasattr(self.codec, "decode_sum"):  # all n payloads in one pass each (hgsgc.ops)
+                    total = self.codec.decode_sum(gathered, numel, off)
+                else:
+                    dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
+                    total = tf.add_n(dense) if n > 1 else dense[0]
+                off += p
+                avgs[i] = total / float(n)
         return avgs, sents
 
 

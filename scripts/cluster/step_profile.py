@@ -161,6 +161,12 @@ def main(argv=None):
     ap.add_argument("--bandwidth", default="100mbit", help="the cluster's link rate (recorded only)")
     ap.add_argument("--defaults", action="store_true",
                     help="apply hgsgc.runtime.apply_defaults() before hvd.init()")
+    ap.add_argument("--buckets", default="1",
+                    help="comma-separated allgather bucket counts (sgc/topk, compression buckets=B): "
+                         "one step phase each, 'step' for the first value, 'step_b<B>' for the others")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the step phases of --buckets this many times, interleaved (round r>0: "
+                         "phase name + '_r<r>'), so slow drifts of the machine hit every setting alike")
     ap.add_argument("--out", help="also write the JSON here (rank 0)")
     args = ap.parse_args(argv)
     phases = args.phases.split(",")
@@ -277,35 +283,49 @@ def main(argv=None):
         rb = np.empty(n * P, np.uint8)
         res["phases"]["allgather_mpi"] = timed(lambda: comm.Allgather(sb, rb), args.steps,
                                                args.warmup, threads, barrier)
+    bucket_list = [int(b) for b in args.buckets.split(",")]
     if "step" in phases:
-        opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.01, momentum=0.9),
-                                         compression=comp)
-        hvd.broadcast_variables(model.variables, root_rank=0)
+        import dataclasses
 
-        @tf.function
-        def train_step():
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        steps = {}
+        for b in bucket_list:
+            c = dataclasses.replace(comp, buckets=b) if b != 1 else comp
+            opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.01, momentum=0.9),
+                                             compression=c)
+
+            def make(opt):
+                @tf.function
+                def train_step():
+                    with tf.GradientTape() as tape:
+                        loss = loss_fn(y, model(x, training=True))
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    opt.apply_gradients(zip(grads, model.trainable_variables))
+                    return loss
+                return train_step
+
+            steps[b] = make(opt)
 
         # warm-up: a multiple of the delay so the timed steps start right after a sync
         wu = max(args.warmup, args.delay)
         wu += (-wu) % args.delay
         reps = args.steps + (-args.steps) % args.delay
-        r = timed(lambda: train_step().numpy(), reps, wu, threads, barrier, per_rep=True)
-        res["phases"]["step"] = r
-        if args.delay > 1:
-            t, pr = r["times_ms"], r.pop("per_rep")
-            for kind, keep in (("sync", lambda i: (i + 1) % args.delay == 0),
-                               ("local", lambda i: (i + 1) % args.delay != 0)):
-                idx = [i for i in range(len(t)) if keep(i)]
-                res["phases"]["step_" + kind] = {
-                    "times_ms": [t[i] for i in idx], "mean_ms": sum(t[i] for i in idx) / len(idx),
-                    "threads": _mean_threads([pr[i] for i in idx])}
-        else:
-            r.pop("per_rep")
+        for rnd in range(args.rounds):
+            for j, b in enumerate(bucket_list):
+                name = ("step" if j == 0 else f"step_b{b}") + (f"_r{rnd}" if rnd else "")
+                fn = steps[b]
+                r = timed(lambda: fn().numpy(), reps, wu, threads, barrier, per_rep=True)
+                res["phases"][name] = r
+                if args.delay > 1:
+                    t, pr = r["times_ms"], r.pop("per_rep")
+                    for kind, keep in (("sync", lambda i: (i + 1) % args.delay == 0),
+                                       ("local", lambda i: (i + 1) % args.delay != 0)):
+                        idx = [i for i in range(len(t)) if keep(i)]
+                        res["phases"][name.replace("step", "step_" + kind, 1)] = {
+                            "times_ms": [t[i] for i in idx], "mean_ms": sum(t[i] for i in idx) / len(idx),
+                            "threads": _mean_threads([pr[i] for i in idx])}
+                else:
+                    r.pop("per_rep")
     load1 = _load()
     allres = comm.gather({"rank": rank, "phases": res["phases"], "load": [load0, load1]}, root=0)
     if rank == 0:
