@@ -67,6 +67,11 @@ class LayoutInputs:
             CPU seconds per wall second, measured by :func:`hgsgc.hourglass.auto.measure_wait_cpu`);
             it loads the machine's cores in :func:`cpu_share` and :func:`pipeline_schedule`.
             0 (the default): waiting ranks use no CPU.
+        boundary_msg_s: seconds per boundary message beyond ``alpha + bytes / beta`` and the
+            codec's per-example time (session 7): the measured round trip of one micro-batch's
+            message each way on the trainer's path minus what the schedule charges for it, halved
+            (:func:`hgsgc.hourglass.costmodel.message_cost_s`); added to every boundary message
+            of :func:`pipeline_schedule`. 0 (the default): not measured, no such cost.
 
     Raises:
         ValueError: a ``machine_of`` of the wrong length, a machine without its cores, cores
@@ -106,6 +111,7 @@ class LayoutInputs:
     fc_call_s: float = 0.0
     fc_row_s: float = 0.0
     wait_cpu_cores: float = 0.0
+    boundary_msg_s: float = 0.0
 
     def __post_init__(self):
         mo, mc = tuple(int(m) for m in self.machine_of), tuple(float(c) for c in self.machine_cores)
@@ -117,6 +123,9 @@ class LayoutInputs:
         if not float(self.wait_cpu_cores) >= 0:
             raise ValueError(f"LayoutInputs.wait_cpu_cores={self.wait_cpu_cores!r} must be >= 0 "
                              f"(cores a waiting rank keeps busy; 0: none)")
+        if not float(self.boundary_msg_s) >= 0:
+            raise ValueError(f"LayoutInputs.boundary_msg_s={self.boundary_msg_s!r} must be >= 0 "
+                             f"(seconds per boundary message; 0: none)")
         if mo:
             if len(mo) != int(self.world_size):
                 raise ValueError(f"LayoutInputs.machine_of has {len(mo)} entries for world_size "
@@ -336,9 +345,12 @@ def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float
     * CONV rank (CPU): ``f_1 .. f_M``, then ``g_1 .. g_M``, then ``conv_post``; forward
       ``f_j = conv_fwd_mb_s r_j M / b + r_j c / 4`` (+ encoding), backward
       ``g_j = conv_bwd_mb_s r_j M / b + r_j c / 4`` (+ decoding), ``g_j`` waits for ``o_j``;
-    * the FC rank's incoming link: ``i_j = alpha + m r_j act / beta`` after ``f_j``;
+    * the FC rank's incoming link: ``i_j = alpha + msg + m r_j act / beta`` after ``f_j``;
     * FC rank (CPU): ``h_j = fc_call_s + m r_j (fc_row_s + c / 2)`` after ``i_j``, then ``fc_post``;
-    * the FC rank's outgoing link: ``o_j = alpha + m r_j grad / beta`` after ``h_j``;
+    * the FC rank's outgoing link: ``o_j = alpha + msg + m r_j grad / beta`` after ``h_j``;
+
+    (``msg = boundary_msg_s``, the measured per-message cost, once per direction and micro-batch:
+    the ``m`` CONV ranks' messages of one micro-batch are taken to overlap);
 
     ``conv_post`` / ``fc_post`` = ``(CPU seconds, wait seconds)`` after the role's last compute
     task: the update + compression (CPU), then the exchange's wire + coordination (no CPU). The
@@ -367,13 +379,13 @@ def pipeline_schedule(inp: LayoutInputs, fc_workers: int, conv_post: Tuple[float
     m = -(-C // F)
     edges = np.linspace(0, b, M + 1).astype(int)
     rows = [int(hi - lo) for lo, hi in zip(edges[:-1], edges[1:])]
-    c = inp.codec_s
+    c, msg = inp.codec_s, float(inp.boundary_msg_s)
     tasks = {"conv": [], "in": [], "fc": [], "out": []}
     for j, r in enumerate(rows):
         tasks["conv"].append((f"f{j}", "cpu", inp.conv_fwd_mb_s * r * M / b + r * c / 4, None))
-        tasks["in"].append((f"i{j}", "wait", inp.alpha + m * r * inp.act_bytes / inp.beta, f"f{j}"))
+        tasks["in"].append((f"i{j}", "wait", inp.alpha + msg + m * r * inp.act_bytes / inp.beta, f"f{j}"))
         tasks["fc"].append((f"h{j}", "cpu", inp.fc_call_s + m * r * (inp.fc_row_s + c / 2), f"i{j}"))
-        tasks["out"].append((f"o{j}", "wait", inp.alpha + m * r * inp.grad_bytes / inp.beta, f"h{j}"))
+        tasks["out"].append((f"o{j}", "wait", inp.alpha + msg + m * r * inp.grad_bytes / inp.beta, f"h{j}"))
     for j, r in enumerate(rows):
         tasks["conv"].append((f"g{j}", "cpu", inp.conv_bwd_mb_s * r * M / b + r * c / 4, f"o{j}"))
     tasks["conv"] += [("conv_post_cpu", "cpu", float(conv_post[0]), None),
@@ -504,7 +516,9 @@ def format_layout_report(report: dict) -> str:
     if i.get("conv_fwd_mb_s", 0.0) > 0 or i.get("conv_bwd_mb_s", 0.0) > 0:
         lines.append(f"layout auto: Hourglass stages as the pipeline runs them, alone: trunk per micro-batch "
                      f"fwd {i['conv_fwd_mb_s'] * 1e3:.2f} ms + bwd {i['conv_bwd_mb_s'] * 1e3:.2f} ms, FC rank per "
-                     f"micro-batch {i['fc_call_s'] * 1e3:.2f} ms + {i['fc_row_s'] * 1e6:.1f} us/example")
+                     f"micro-batch {i['fc_call_s'] * 1e3:.2f} ms + {i['fc_row_s'] * 1e6:.1f} us/example"
+                     f", boundary message {i.get('boundary_msg_s', 0.0) * 1e3:.2f} ms (measured beyond alpha, "
+                     f"bytes / beta and the codec)")
     if "dp_compression_s" in i:
         mo = i.get("machine_of") or []
         lines.append(f"layout auto: measured alone: compression DP {i['dp_compression_s'] * 1e3:.2f} ms, "

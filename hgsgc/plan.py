@@ -133,7 +133,7 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
         ``fc_compression_cost``; :func:`hgsgc.perfmodel.with_role_compression` puts them into the inputs for each ``F``).
     """
     from hgsgc.config import compression_from_config, fc_compression_from_config
-    from hgsgc.hourglass import auto
+    from hgsgc.hourglass import auto, costmodel
     from hgsgc.hourglass.costmodel import configured_codecs
     from hgsgc.hourglass.split import SplitError, split_model
 
@@ -154,6 +154,14 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     x, _ = pm._random_batch(model, b)
     meas = auto.measure(split, x.numpy(), act, grad, repeats=max(1, reps), micro_batches=int(h.micro_batches))
     stages = auto.measure_pipeline_stages(split, x.numpy(), int(h.micro_batches), nodes - 1, repeats=max(1, reps))
+    # the boundary message's software path in this one process (loopback over MPI.COMM_SELF; the
+    # link's own per-message cost is the plan link's alpha): costmodel.message_cost_s, beta = inf
+    from mpi4py import MPI
+
+    probe = costmodel.probe_boundary(MPI.COMM_SELF, act, grad,
+                                     *costmodel.boundary_sample(split, x.numpy(), int(h.micro_batches)))
+    msg = costmodel.boundary_message_inputs(probe, meas["act_bytes"], meas["grad_bytes"], meas["codec_s"],
+                                            0.0, float("inf"))
     cc, fcc = compression_from_config(cfg.compression), fc_compression_from_config(cfg)
     conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
     fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
@@ -173,8 +181,8 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
         dp_compression_s=pm.compression_at(dp_cost, nodes, cc.algorithm),
         t_update_conv=update * d_conv / (d_conv + d_fc), t_update_fc=update * d_fc / (d_conv + d_fc),
         conv_fwd_mb_s=stages["conv_fwd_mb_s"], conv_bwd_mb_s=stages["conv_bwd_mb_s"],
-        fc_call_s=stages["fc_call_s"], fc_row_s=stages["fc_row_s"])
-    info = {"split_layer": split.boundary_layer,
+        fc_call_s=stages["fc_call_s"], fc_row_s=stages["fc_row_s"], boundary_msg_s=msg["boundary_msg_s"])
+    info = {"boundary_message": msg, "split_layer": split.boundary_layer,
             "features": int(split.features), "act_codec": act.name, "grad_codec": grad.name,
             "density_of_nonzero_activations": meas["density"], "conv_compression_cost": conv_cost,
             "fc_compression_cost": fc_cost, "fc_method": h.fc_method,
@@ -185,7 +193,8 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
             f"t_fc {meas['t_fc'] * 1e6:.1f} us/example, boundary {meas['act_bytes']:.0f} + "
             f"{meas['grad_bytes']:.0f} B/example; per micro-batch: trunk fwd {stages['conv_fwd_mb_s'] * 1e3:.2f} "
             f"+ bwd {stages['conv_bwd_mb_s'] * 1e3:.2f} ms, FC rank {stages['fc_call_s'] * 1e3:.2f} ms + "
-            f"{stages['fc_row_s'] * 1e6:.1f} us/example")
+            f"{stages['fc_row_s'] * 1e6:.1f} us/example, boundary message {msg['boundary_msg_s'] * 1e3:.3f} ms "
+            f"(loopback round trip {probe['pairs'][0][1] * 1e3:.3f} ms for {probe['rows']} rows)")
     return inp, info
 
 

@@ -19,6 +19,8 @@ MEAS = dict(t_conv=4.1e-4, t_fc=2.3e-4, act_bytes=310.0, grad_bytes=262.5, codec
             density=0.5)
 STAGES = dict(conv_fwd_mb_s=2.1e-3, conv_bwd_mb_s=3.3e-3, fc_call_s=1.2e-3, fc_row_s=9.5e-5)
 ZERO = {"base_s": 0.0, "per_payload_s": 0.0}
+PROBE = {"rows": 8, "pairs": [[1, 4.2e-3]], "loopback": False, "reps": 10}
+MSG_S = 7.5e-4
 OVERRIDES = ["layout=hourglass", "model.name=tiny", "train.batch_size=16", "hourglass.micro_batches=2", "compression.method=sgc",
              "compression.density=0.05", "compression.delay=2", "hourglass.link_bandwidth_mbps=100",
              "hourglass.act_codec=sparse+q8", "hourglass.grad_codec=q8"]
@@ -64,6 +66,13 @@ def fixed(monkeypatch):
     monkeypatch.setattr(auto, "measure_together", lambda comm, split, x, **k: [MEAS["t_conv"] * len(x)] * 5)
     monkeypatch.setattr(auto, "measure_wait_cpu", lambda comm, **k: 0.0)   # Layout(cost=...) has no such term
     monkeypatch.setattr(pm, "measure_compression_s", lambda *a, **k: dict(ZERO))
+    # the boundary message: a fixed probe and a fixed per-message cost (plan's loopback and the
+    # pair probe of the other two subtract different links; the model must be the same on the same msg)
+    monkeypatch.setattr(costmodel, "boundary_sample", lambda *a, **k: (None, None, None))
+    monkeypatch.setattr(costmodel, "probe_boundary", lambda comm, *a, **k: dict(PROBE))
+    monkeypatch.setattr(costmodel, "boundary_message_inputs", lambda probe, *a, **k: {
+        "boundary_msg_s": MSG_S, "per_pair": [], "rows": probe["rows"], "loopback": probe["loopback"],
+        "reps": probe["reps"], "formula": "fixed"})
     monkeypatch.setattr(costmodel, "find_machines", lambda comm, **k: {
         "machine_of": list(range(N)), "machine_cores": [2.0] * N, "how": ["fake"] * N, "rank_cores": [2] * N})
     monkeypatch.setattr(costmodel, "take_turns", lambda comm, machine_of, fn, timeout_s=0.0: (fn(), None))
@@ -108,7 +117,11 @@ def _layout_cost_steps(cfg, split):
                           fc_delay=int(fcc.delay), codec_s=MEAS["codec_s"],
                           micro_batches=int(cfg.hourglass.micro_batches), cycle_s=pm.horovod_cycle_s(), **STAGES)
 
-    lay = Layout(comm, "auto", cost=cost, link=lambda: link_inputs(comm, 100.0), init_horovod=False)
+    from hgsgc.hourglass import costmodel
+
+    lay = Layout(comm, "auto", cost=cost, link=lambda: link_inputs(comm, 100.0), init_horovod=False,
+                 boundary=lambda: costmodel.probe_boundary(comm, "sparse+q8", "q8", None, None, None))
+    assert lay.cost_report["boundary_message"]["boundary_msg_s"] == MSG_S
     cands = lay.cost_report["candidates"]
     return [c["fc_workers"] for c in cands], [c["step_s"] for c in cands], cands
 
@@ -138,6 +151,9 @@ def test_plan_layout_cost_and_auto_choose_predict_identical_steps(fixed):
     fa, auto_steps, rep = _choose_steps(cfg, split, x)
     assert fp == fl == fa == [1, 2]
     assert plan_steps == cost_steps == auto_steps                      # exact: one function, same inputs
+    assert rep["inputs"]["boundary_msg_s"] == MSG_S and all(
+        p["schedule"]["stages_per_micro_batch_s"]["wire_in_s"] == 0.0 + MSG_S + 3 * 8 * 310.0 / 12.5e6
+        for p in plan_preds[:1])                                        # F = 1: m = 3 CONV ranks, r = 8
     assert all(p["model"] == "pipeline_schedule" and p["stages"] == "measured" for p in plan_preds + cands)
     # the choices agree too (highest throughput, ties to fewer FC ranks)
     best = max(range(2), key=lambda k: (cands[k]["throughput"], -k))

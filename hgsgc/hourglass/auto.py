@@ -22,6 +22,11 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   compression; Hourglass: the trunk with it, the head with ``hourglass.fc_method``) from
   :func:`hgsgc.compression.codec.exchange_payload_bytes`.
 
+* ``boundary_msg_s`` (session 7): the boundary message's cost beyond ``alpha + bytes / beta`` and
+  the codec's per-example time, from round trips of one micro-batch (the first ``b / M`` examples
+  of the batch) on the trainer's path, rank 0 <-> every other rank
+  (:func:`hgsgc.hourglass.costmodel.probe_boundary`, :func:`~hgsgc.hourglass.costmodel.message_cost_s`,
+  the slowest pair counting), after the link probe;
 * Horovod's cycle time (``HOROVOD_CYCLE_TIME``, :func:`hgsgc.perfmodel.horovod_cycle_s`) for the
   coordination of each gradient exchange;
 * the compression seconds of one exchange (selection, encoding, decoding, error feedback, DGC
@@ -393,6 +398,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
 
     from hgsgc.hourglass.costmodel import configured_codecs
 
+    from hgsgc.hourglass import costmodel
     from hgsgc.hourglass.costmodel import find_machines, take_turns
 
     h = cfg.hourglass
@@ -428,9 +434,17 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     # what a waiting rank burns (Horovod's background thread + hgsgc's poll loop), collective
     wait_all = _on_every_rank(comm, "measurement of the waiting ranks' CPU", lambda: measure_wait_cpu(comm))
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
+    # the boundary message on the trainer's path, rank 0 <-> every other rank (collective)
+    act_codec, grad_codec = configured_codecs(h)
+    sample = []  # this rank's micro-batch (only errors travel: every rank computes its own)
+    _on_every_rank(comm, "boundary sample",
+                   lambda: sample.extend(costmodel.boundary_sample(split, x, int(h.micro_batches))))
+    probe = costmodel.probe_boundary(comm, act_codec, grad_codec, *sample)
     report = None
     if comm.Get_rank() == 0:
         meas = _median_measurements([m for m, _ in gathered])
+        msg = costmodel.boundary_message_inputs(probe, meas["act_bytes"], meas["grad_bytes"], meas["codec_s"],
+                                                link["alpha_s"], link["beta_Bps"])
         cost = meas["compression_cost"]
         n = comm.Get_size()
         alone = [m["t_conv"] * len(x) for m, _ in gathered]
@@ -453,12 +467,13 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             machine_of=tuple(machines["machine_of"]), machine_cores=tuple(cores),
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
             conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"],
-            wait_cpu_cores=float(np.median(wait_all)))
+            wait_cpu_cores=float(np.median(wait_all)), boundary_msg_s=msg["boundary_msg_s"])
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
             hourglass_only=hourglass_only)
         report["setting"] = "fc_workers=auto" if hourglass_only else "layout=auto"
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
+                              "boundary_message": msg,
                               "compression_cost": cost, "machines": machines,
                               "together": {"trunk_pass_windows_s": windows,
                                            "trunk_pass_s": [float(np.median(w)) for w in windows],

@@ -29,7 +29,10 @@ Inputs (:class:`CostInputs`), measured on every rank and reduced to per-field me
   rank 0 and every other rank (the slowest pair counts), the ONE link probe of ``fc_workers:
   auto`` and ``layout: auto``; ``hourglass.link_bandwidth_mbps`` (default null) is only an
   explicit override (no probe; ``beta = mbps * 1e6 / 8``, ``alpha = 0``);
-  ``micro_batches``: ``hourglass.micro_batches``; ``cycle_s``: Horovod's cycle time.
+  ``micro_batches``: ``hourglass.micro_batches``; ``cycle_s``: Horovod's cycle time;
+* ``boundary_msg_s`` (session 7): seconds per boundary message that the link and codec terms do
+  not cover, from round trips of one micro-batch's message on the trainer's path
+  (:func:`probe_boundary`, :func:`message_cost_s`).
 
 The prediction for each ``F`` in ``1 .. floor(n / 2)`` is :func:`hgsgc.perfmodel.predict_hourglass`
 (the GPipe-style pipeline of trunk, boundary and head, then the slower of the two roles'
@@ -124,7 +127,9 @@ class CostInputs:
     bytes, bytes per second). ``conv_fwd_mb_s``, ``conv_bwd_mb_s``, ``fc_call_s``, ``fc_row_s``:
     the stages per micro-batch (:class:`hgsgc.perfmodel.LayoutInputs`, measured by
     :func:`hgsgc.hourglass.auto.measure_pipeline_stages`); all 0 (the default): derived from
-    ``t_conv``, ``t_fc`` (:func:`hgsgc.perfmodel.pipeline_stages`)."""
+    ``t_conv``, ``t_fc`` (:func:`hgsgc.perfmodel.pipeline_stages`). ``boundary_msg_s``: seconds
+    per boundary message beyond the link and codec terms (:func:`message_cost_s` of a
+    :func:`probe_boundary`; ``Layout(..., boundary=...)`` sets it; 0: none)."""
 
     t_conv: float
     t_fc: float
@@ -146,6 +151,7 @@ class CostInputs:
     conv_bwd_mb_s: float = 0.0
     fc_call_s: float = 0.0
     fc_row_s: float = 0.0
+    boundary_msg_s: float = 0.0
 
     @staticmethod
     def median(items: List["CostInputs"]) -> "CostInputs":
@@ -269,6 +275,199 @@ def describe_link(link: dict) -> str:
     return f"ping-pong probe rank 0 <-> {len(link.get('pairs') or [])} ranks, slowest pair"
 
 
+# ------------------------------------------------------------------------------------------
+# The boundary message: what one micro-batch's exchange costs beyond the model's link and codec
+# terms, measured on the path the pipeline runs (session 7; docs/hourglass.md).
+#: Timed round trips per pair of :func:`probe_boundary` (after one untimed warm-up round trip).
+BOUNDARY_PROBE_REPS = 10
+#: MPI tags of the probe (apart from the link probe's 77 and the trainer's tags).
+_TAG_PROBE_ACT, _TAG_PROBE_LABEL, _TAG_PROBE_GRAD = 81, 82, 83
+
+
+def boundary_sample(split, x, micro_batches: int = 1):
+    """One micro-batch of the boundary as the pipeline sends it: the trunk's activations of the
+    first ``r = b / M`` examples of ``x`` (``micro_batch_bounds(b, M)[0]``, initial weights,
+    ``training=False``) and the head's activation gradients for them (sum of sparse
+    cross-entropy, labels ``0 .. classes-1`` from seed 0).
+
+    Args:
+        split: :class:`~hgsgc.hourglass.split.SplitModel`; x: one batch ``[b, ...]`` float32.
+        micro_batches: ``M``, 1 .. b.
+
+    Returns:
+        ``(a, g, y)``: float32 ``[r, f]``, float32 ``[r, f]`` (flattened features), int32 ``[r]``.
+
+    Raises:
+        ValueError: ``M`` outside 1 .. b.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    b = len(x)
+    if not 1 <= int(micro_batches) <= b:
+        raise ValueError(f"micro_batches={micro_batches} must be in 1..{b} (the batch size)")
+    lo, hi = micro_batch_bounds(b, micro_batches)[0]
+    a = split.trunk(tf.constant(np.asarray(x[lo:hi], np.float32)), training=False)
+    n_out = int(split.head.outputs[0].shape[-1])
+    y = np.random.default_rng(0).integers(0, n_out, hi - lo).astype(np.int32)
+    _, fc_pass = stage_passes(split)
+    g = fc_pass(a, tf.constant(y))[-1]
+    r = hi - lo
+    return (np.ascontiguousarray(a.numpy().reshape(r, -1), np.float32),
+            np.ascontiguousarray(np.asarray(g).reshape(r, -1), np.float32), y)
+
+
+def probe_boundary(comm, act_codec, grad_codec, a, g, y, reps: int = BOUNDARY_PROBE_REPS,
+                   timeout_s: float = 60.0) -> dict:
+    """Time round trips of ONE boundary message each way on the path
+    :class:`~hgsgc.hourglass.step.HourglassTrainer` runs; collective over ``comm``.
+
+    One round trip, timed on the CONV side (``time.perf_counter``) from before the encode to
+    after the decode: CONV encodes ``a`` with ``act_codec``, ``Isend`` s it and the labels ``y``
+    and posts the ``Irecv`` of the gradients (as ``_conv_send``); the FC side posts its two
+    ``Irecv``, waits in :func:`hgsgc.faults.wait_for_peers` (the trainer's poll loop), decodes,
+    encodes ``g`` with ``grad_codec`` (masked by the decoded activations' pattern when sparse),
+    ``Isend`` s it and waits (as ``_fc_step`` for one CONV rank, without the head); the CONV side
+    waits in ``wait_for_peers`` and decodes (as ``_conv_recv``). With ``n >= 2`` ranks: rank 0
+    is the CONV side and every other rank in turn the FC side (a ``Barrier`` between pairs, as
+    :func:`probe_link`); with ``n = 1`` (``MPI.COMM_SELF``, ``hgsgc plan``): both sides in this
+    process in turn (loopback: the software path, no link). One untimed round trip, then
+    ``reps`` timed ones; the median counts.
+
+    Args:
+        comm: an mpi4py communicator. act_codec, grad_codec: codecs or specs.
+        a, g: float32 ``[r, f]`` activations and activation gradients of one micro-batch
+            (:func:`boundary_sample`); y: int32 ``[r]`` labels.
+        reps: timed round trips per pair (>= 1). timeout_s: stall deadline of each wait.
+
+    Returns:
+        On every rank: ``{"rows": r, "pairs": [[peer, median round trip seconds], ...]
+        ([[0, s]] for the loopback), "loopback": bool, "reps": reps}``.
+
+    Raises:
+        ValueError: ``a``, ``g`` not the same 2-D shape with >= 1 row, ``y`` not ``[r]``, or
+            ``reps`` < 1 (identically on every rank, before any message).
+        hgsgc.faults.StallError: a peer did not answer within ``timeout_s``.
+    """
+    import numpy as np
+
+    from hgsgc.faults import wait_for_peers
+    from hgsgc.hourglass.boundary import BoundaryCodec
+
+    a, g, y = np.asarray(a, np.float32), np.asarray(g, np.float32), np.asarray(y, np.int32)
+    if a.ndim != 2 or a.shape != g.shape or a.shape[0] < 1 or y.shape != (a.shape[0],):
+        raise ValueError(f"probe_boundary needs a, g float32 [r, f] of one shape and y [r], got "
+                         f"{a.shape}, {g.shape}, {y.shape}")
+    if int(reps) < 1:
+        raise ValueError(f"probe_boundary: reps={reps} must be >= 1")
+    ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
+    rank, n = comm.Get_rank(), comm.Get_size()
+    r, f = a.shape
+    rng = np.random.default_rng(0)
+
+    def conv_send(fc):
+        payload = ac.encode(a, rng)
+        mask = (a != 0) if gc.sparse else None
+        nnz = int(np.count_nonzero(mask)) if mask is not None else None
+        g_buf = np.empty(gc.length(r, f, nnz, masked=True), np.uint8)
+        reqs = [comm.Isend(payload, dest=fc, tag=_TAG_PROBE_ACT), comm.Isend(y, dest=fc, tag=_TAG_PROBE_LABEL),
+                comm.Irecv(g_buf, source=fc, tag=_TAG_PROBE_GRAD)]
+        return reqs, payload, g_buf, mask
+
+    def conv_recv(fc, state):
+        reqs, _, g_buf, mask = state
+        wait_for_peers(reqs, [fc] * 3, "boundary probe: activation gradients", timeout_s)
+        return gc.decode(g_buf, r, f, mask=mask)[0]
+
+    def fc_side(conv):
+        from mpi4py import MPI
+
+        p = np.empty(ac.max_length(r, f), np.uint8)
+        yy = np.empty(r, np.int32)
+        reqs = [comm.Irecv(p, source=conv, tag=_TAG_PROBE_ACT), comm.Irecv(yy, source=conv, tag=_TAG_PROBE_LABEL)]
+        st = [MPI.Status(), MPI.Status()]
+        wait_for_peers(reqs, [conv, conv], "boundary probe: activations", timeout_s, st)
+        _, mask = ac.decode(p[:st[0].Get_count(MPI.BYTE)], r, f)
+        out = gc.encode(g, rng, mask=mask if gc.sparse else None)
+        wait_for_peers([comm.Isend(out, dest=conv, tag=_TAG_PROBE_GRAD)], [conv], "boundary probe: send", timeout_s)
+
+    pairs = []
+    if n == 1:
+        ts = []
+        for _ in range(int(reps) + 1):
+            t0 = time.perf_counter()
+            state = conv_send(0)
+            fc_side(0)
+            conv_recv(0, state)
+            ts.append(time.perf_counter() - t0)
+        pairs.append([0, float(np.median(ts[1:]))])
+    else:
+        for peer in range(1, n):
+            comm.Barrier()
+            if rank == 0:
+                ts = []
+                for _ in range(int(reps) + 1):  # the first round trip warms the path up
+                    t0 = time.perf_counter()
+                    conv_recv(peer, conv_send(peer))
+                    ts.append(time.perf_counter() - t0)
+                pairs.append([peer, float(np.median(ts[1:]))])
+            elif rank == peer:
+                for _ in range(int(reps) + 1):
+                    fc_side(0)
+        pairs = comm.bcast(pairs, root=0)
+    return {"rows": int(r), "pairs": pairs, "loopback": n == 1, "reps": int(reps)}
+
+
+def message_cost_s(round_trip_s: float, rows: int, act_bytes: float, grad_bytes: float, codec_s: float,
+                   alpha: float, beta: float) -> float:
+    """Seconds per boundary message that the schedule does not charge otherwise: the measured
+    round trip of one message each way (:func:`probe_boundary`, ``r = rows``) minus what
+    :func:`hgsgc.perfmodel.pipeline_schedule` charges for it with one CONV rank per FC rank and
+    no compute, halved, floored at 0::
+
+        msg_s = max(0, (round_trip_s - 2 alpha - r (act_bytes + grad_bytes) / beta - r codec_s) / 2)
+
+    (the schedule's ``f_j``, ``g_j`` carry ``r c / 4`` each and ``h_j`` ``r c / 2`` of codec work,
+    its links ``alpha + r act / beta`` and ``alpha + r grad / beta``), so that the schedule with
+    ``boundary_msg_s = msg_s`` on such a round trip reproduces the measured one when it is not
+    floored: Python around MPI (buffers, ``Isend`` / ``Irecv``, ``Status``), the poll loop's
+    wake-up latency, the codecs' fixed cost per call, anything of the link not in ``alpha``.
+
+    Args:
+        round_trip_s: seconds; rows: ``r`` (>= 1); act_bytes, grad_bytes: bytes per example
+            (:func:`boundary_bytes`); codec_s: encode + decode seconds per example, both
+            directions; alpha: seconds; beta: bytes per second (``inf``: no wire term, the
+            loopback of ``hgsgc plan``).
+
+    Raises:
+        ValueError: ``rows`` < 1, ``beta`` <= 0, or a negative time or size.
+    """
+    if int(rows) < 1 or not float(beta) > 0:
+        raise ValueError(f"message_cost_s: rows={rows!r} must be >= 1 and beta={beta!r} > 0 (bytes/s)")
+    if min(float(round_trip_s), float(act_bytes), float(grad_bytes), float(codec_s), float(alpha)) < 0:
+        raise ValueError("message_cost_s: round trip, bytes, codec seconds and alpha must be >= 0")
+    r = int(rows)
+    modelled = 2.0 * float(alpha) + r * (float(act_bytes) + float(grad_bytes)) / float(beta) + r * float(codec_s)
+    return max(0.0, (float(round_trip_s) - modelled) / 2.0)
+
+
+def boundary_message_inputs(probe: dict, act_bytes: float, grad_bytes: float, codec_s: float,
+                            alpha: float, beta: float) -> dict:
+    """:func:`message_cost_s` of every pair of a :func:`probe_boundary` result on the model's
+    link (``alpha`` seconds, ``beta`` bytes per second, as :func:`link_inputs` gives them, or
+    ``beta = inf`` for a loopback); the largest counts (the slowest pair bounds a step, as in
+    :func:`probe_link`).
+
+    Returns:
+        ``{"boundary_msg_s": float seconds, "per_pair": [[peer, round trip s, msg_s], ...],
+        "rows", "loopback", "reps", "formula"}``.
+    """
+    per = [[int(p), float(rt), message_cost_s(rt, probe["rows"], act_bytes, grad_bytes, codec_s, alpha, beta)]
+           for p, rt in probe["pairs"]]
+    return {"boundary_msg_s": max(m for _, _, m in per), "per_pair": per, "rows": probe["rows"],
+            "loopback": bool(probe["loopback"]), "reps": probe["reps"],
+            "formula": "max(0, (round_trip - 2 alpha - r (act + grad) / beta - r codec_s) / 2)"}
+
 def layout_inputs(inp: CostInputs, world_size: int):
     """``inp`` as :class:`hgsgc.perfmodel.LayoutInputs` for ``world_size`` ranks (``alpha`` and
     ``beta = bandwidth`` of the link, :func:`with_link`; the stages per micro-batch as given, 0
@@ -282,7 +481,8 @@ def layout_inputs(inp: CostInputs, world_size: int):
         fc_payload=inp.fc_payload, dp_algorithm=inp.conv_exchange, conv_algorithm=inp.conv_exchange,
         fc_algorithm=inp.fc_exchange, delay=int(inp.conv_delay), fc_delay=int(inp.fc_delay),
         micro_batches=int(inp.micro_batches), cycle_s=inp.cycle_s, conv_fwd_mb_s=inp.conv_fwd_mb_s,
-        conv_bwd_mb_s=inp.conv_bwd_mb_s, fc_call_s=inp.fc_call_s, fc_row_s=inp.fc_row_s)
+        conv_bwd_mb_s=inp.conv_bwd_mb_s, fc_call_s=inp.fc_call_s, fc_row_s=inp.fc_row_s,
+        boundary_msg_s=inp.boundary_msg_s)
 
 
 def stage_times(inp: CostInputs, world_size: int, fc_workers: int) -> dict:

@@ -138,6 +138,13 @@ class Layout:
             :func:`hgsgc.hourglass.costmodel.link_inputs` (``alpha_s``, ``beta_Bps``,
             ``source``); default: ``link_inputs(comm)``, the ping-pong probe. Its ``alpha`` and
             ``beta`` replace the cost inputs' and it is reported as ``cost_report["link"]``.
+        boundary: for ``"auto"``: an optional zero-argument COLLECTIVE callable (every rank
+            calls it, after the link) returning :func:`hgsgc.hourglass.costmodel.probe_boundary`'s
+            dict (the boundary message's round trips, e.g. ``lambda: probe_boundary(comm, act,
+            grad, *boundary_sample(split, x, M))``); rank 0 turns it into ``boundary_msg_s`` by
+            :func:`~hgsgc.hourglass.costmodel.boundary_message_inputs` on the median inputs and
+            the link (reported as ``cost_report["boundary_message"]``). None (default): the
+            cost inputs' ``boundary_msg_s`` as they are (0 unless the callable set it).
         log: callable for the cost-model inputs and choice (rank 0 only); None: silent.
         init_horovod: initialise Horovod with the role process set (default True).
 
@@ -155,7 +162,7 @@ class Layout:
 
     def __init__(self, comm=None, fc_workers: Union[int, str] = 1, *,
                  cost: Optional[Callable[[], "object"]] = None, link: Optional[Callable[[], dict]] = None,
-                 log: Optional[Callable] = None,
+                 boundary: Optional[Callable[[], dict]] = None, log: Optional[Callable] = None,
                  init_horovod: bool = True):
         from mpi4py import MPI
 
@@ -167,7 +174,7 @@ class Layout:
             raise LayoutError("hourglass.fc_workers=auto needs the cost-model inputs (cost=...)")
         self.cost_report = None
         if fc_workers == "auto":
-            fc_workers = self._auto(cost, link, log)
+            fc_workers = self._auto(cost, link, log, boundary)
         self.plan = plan_layout(self.world_size, fc_workers)
         self.role = self.plan.role(self.rank)
         self.is_fc = self.role == "fc"
@@ -193,7 +200,10 @@ class Layout:
     def n_conv(self) -> int:
         return self.plan.n_conv
 
-    def _auto(self, cost, link, log) -> int:
+    def _auto(self, cost, link, log, boundary=None) -> int:
+        import dataclasses
+
+        from hgsgc.hourglass import costmodel
         from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, link_inputs, with_link
 
         try:
@@ -205,12 +215,19 @@ class Layout:
         if errors:
             raise RuntimeError("fc_workers=auto: cost measurement failed on " + "; ".join(errors))
         lk = link() if link is not None else link_inputs(self.world)  # collective: every rank
+        probe = boundary() if boundary is not None else None    # collective: every rank
         report, err = None, None
         if self.rank == 0:
             try:
                 inputs = with_link(CostInputs.median([g for g, _ in gathered]), lk)
+                msg = None
+                if probe is not None:
+                    msg = costmodel.boundary_message_inputs(probe, inputs.act_bytes, inputs.grad_bytes,
+                                                            inputs.codec_s, inputs.alpha, inputs.bandwidth)
+                    inputs = dataclasses.replace(inputs, boundary_msg_s=msg["boundary_msg_s"])
                 report = choose_fc_workers(inputs, self.world_size)
                 report["link"] = lk
+                report["boundary_message"] = msg
             except Exception as exc:  # broadcast, so no rank waits for a report that never comes
                 err = f"{type(exc).__name__}: {exc}"
         report, err = self.world.bcast((report, err), root=0)
