@@ -14,8 +14,10 @@ at ``B``, it predicts with :mod:`hgsgc.perfmodel` (the one model of the project)
   them (:func:`hgsgc.hourglass.auto.measure`; the stages per micro-batch by
   :func:`hgsgc.hourglass.auto.measure_pipeline_stages`, so the prediction is the same
   :func:`hgsgc.perfmodel.pipeline_schedule`; boundary bytes by
-  :func:`hgsgc.hourglass.costmodel.boundary_bytes`), with the link of the plan instead of a probe
-  and no CPU share (one rank per host).
+  :func:`hgsgc.hourglass.costmodel.boundary_bytes`; the boundary message's software cost by
+  :func:`hgsgc.hourglass.costmodel.probe_boundary` as a loopback on ``MPI.COMM_SELF``), with the
+  link of the plan instead of a probe and no CPU share (one rank per host). The best ``F`` comes
+  from :func:`best_fc_workers`, the exhaustive scan that skips candidates a bound excludes.
 
 The Hourglass trains ``C b`` examples per step (``C = N - F`` CONV ranks), data parallelism
 ``N b``, so rows are ranked by the predicted seconds per ``N b`` examples (for data parallelism:
@@ -87,16 +89,81 @@ def hourglass_row(inp: pm.LayoutInputs, fc_workers: int, method: str) -> dict:
 def fc_workers_to_list(inputs_at, nodes: int) -> List[int]:
     """``PLAN_FC_WORKERS`` within ``1 .. N/2``, plus the best ``F`` over ``1 .. N/2`` by
     :func:`hgsgc.perfmodel.predict_hourglass` ``(inputs_at(F), F)`` (highest throughput, ties to
-    fewer FC ranks, as :func:`hgsgc.perfmodel.choose_layout`) when it is not among them."""
+    fewer FC ranks, as :func:`hgsgc.perfmodel.choose_layout`) when it is not among them; the best
+    ``F`` is :func:`best_fc_workers`, the exhaustive scan with provably idle candidates skipped."""
     fcs = [F for F in PLAN_FC_WORKERS if F <= nodes // 2]
+    best = best_fc_workers(inputs_at, nodes)
+    if best is not None and best not in fcs:
+        fcs.append(best)
+    return fcs
+
+
+#: Relative margin by which :func:`best_fc_workers` lowers its lower bound of a step (the bound
+#: comes from a schedule simulated without the roles' update + exchange, whose event times can
+#: differ from the full simulation's in the last bits).
+BOUND_MARGIN = 1e-12
+
+
+def best_fc_workers(inputs_at, nodes: int, exhaustive: bool = False, stats: Optional[dict] = None) -> Optional[int]:
+    """The ``F`` in ``1 .. floor(N/2)`` of highest predicted throughput ``C b / T(F)``
+    (:func:`hgsgc.perfmodel.predict_hourglass` ``(inputs_at(F), F)``), with the rule of
+    :func:`hgsgc.perfmodel.choose_layout`: scan ``F`` upwards, a candidate replaces the best only
+    when its throughput exceeds the best's by a factor ``1 + 1e-9`` (ties: fewer FC ranks).
+
+    The same scan, without simulating the candidates that cannot replace the best. With no CPU
+    share (``machine_of`` empty, as in ``hgsgc plan``), :func:`hgsgc.perfmodel.pipeline_schedule`'s
+    boundary pipeline depends on ``F`` only through ``m = ceil((N - F) / F)`` CONV ranks per FC
+    rank (simulated once per ``m``, without updates or exchanges: the end of the last backward
+    ``conv_done_m`` and of the last head ``fc_done_m``), and each role's update + exchange
+    (:func:`hgsgc.perfmodel.role_exchange`, cheap) runs after its own last task, so::
+
+        T(F) >= L(F) = max(conv_done_m + post_conv(N - F), fc_done_m + post_fc(F)) (1 - BOUND_MARGIN)
+
+    (``post``: update + compression + wire + coordination, as
+    :func:`hgsgc.perfmodel.predict_hourglass` adds them; equality up to rounding). A candidate
+    with ``(N - F) b / L(F) <= best (1 + 1e-9)`` cannot replace the current best and is not
+    simulated. Skipping only what the exhaustive scan would not pick gives its answer exactly
+    (tested against it); about ``2 sqrt(N)`` schedules are simulated instead of ``N / 2``. With a
+    CPU share, or ``exhaustive=True``, every ``F`` is predicted.
+
+    Args:
+        inputs_at: ``F -> LayoutInputs`` (e.g. :func:`hgsgc.perfmodel.with_role_compression`).
+        nodes: ``N``; exhaustive: predict every ``F``; stats: optional dict, filled with
+            ``{"predicted": full predictions, "bounds": schedules simulated for bounds,
+            "candidates": N // 2}``.
+
+    Returns:
+        The best ``F``, or None when ``N < 2``.
+    """
+    nodes = int(nodes)
+    top = nodes // 2
+    st = {"predicted": 0, "bounds": 0, "candidates": top}
     best = None
-    for F in range(1, nodes // 2 + 1):
-        p = pm.predict_hourglass(inputs_at(F), F)
+    fast = top >= 1 and not exhaustive and not inputs_at(1).machine_of
+    done_at = {}   # m -> (conv_done_m, fc_done_m)
+    for F in range(1, top + 1):
+        inp = inputs_at(F)
+        if fast and best is not None:
+            m = -(-(nodes - F) // F)
+            if m not in done_at:
+                sch = pm.pipeline_schedule(pm.pipeline_stages(inp), F)
+                done_at[m] = (sch["conv_done_s"], sch["fc_done_s"])
+                st["bounds"] += 1
+            C = nodes - F
+            ex_c = pm.role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
+            ex_f = pm.role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
+            low = max(done_at[m][0] + inp.t_update_conv + ex_c["compression_s"] + ex_c["wire_s"] + ex_c["coordination_s"],
+                      done_at[m][1] + inp.t_update_fc + ex_f["compression_s"] + ex_f["wire_s"] + ex_f["coordination_s"])
+            low *= 1.0 - BOUND_MARGIN
+            if low > 0 and C * inp.batch_size / low <= best["throughput"] * (1 + 1e-9):
+                continue
+        p = pm.predict_hourglass(inp, F)
+        st["predicted"] += 1
         if best is None or p["throughput"] > best["throughput"] * (1 + 1e-9):
             best = p
-    if best is not None and best["fc_workers"] not in fcs:
-        fcs.append(best["fc_workers"])
-    return fcs
+    if stats is not None:
+        stats.update(st)
+    return best["fc_workers"] if best is not None else None
 
 
 def rank_rows(rows: Sequence[dict], nodes: int, batch_size: int,
@@ -307,7 +374,8 @@ def format_plan(result: dict) -> str:
             f"update {h['update_s'] * 1e3:.2f} ms/step split by parameters"
             f"{_clamped(h)}, M {hi['micro_batches']} (per micro-batch: trunk fwd "
             f"{hi.get('conv_fwd_mb_s', 0.0) * 1e3:.2f} + bwd {hi.get('conv_bwd_mb_s', 0.0) * 1e3:.2f} ms, FC rank "
-            f"{hi.get('fc_call_s', 0.0) * 1e3:.2f} ms + {hi.get('fc_row_s', 0.0) * 1e6:.1f} us/example), "
+            f"{hi.get('fc_call_s', 0.0) * 1e3:.2f} ms + {hi.get('fc_row_s', 0.0) * 1e6:.1f} us/example, boundary "
+            f"message {hi.get('boundary_msg_s', 0.0) * 1e6:.0f} us (loopback)), "
             f"CONV exchange {hi['conv_payload']:.0f} B {hi['conv_algorithm']} H {hi['delay']}, FC exchange {h['fc_method']} "
             f"{hi['fc_payload']:.0f} B {hi['fc_algorithm']} H {hi['fc_delay']}")
     lines.append(f"{'rank':>4} {'layout / method':<20} {'algorithm':<15} {'H':>2} {'payload B':>11} {'compute':>8} "
