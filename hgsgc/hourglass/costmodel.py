@@ -531,7 +531,8 @@ def format_report(report: dict) -> str:
         f"CONV payload {i['conv_payload']:.0f} B ({i['conv_exchange']}, delay {i['conv_delay']}), "
         f"FC payload {i['fc_payload']:.0f} B ({i['fc_exchange']}, delay {i.get('fc_delay', 1)}), "
         f"link alpha {i.get('alpha', 0.0) * 1e6:.1f} us, beta {i['bandwidth'] * 8 / 1e6:.1f} Mbit/s "
-        f"({describe_link(link) if link else 'given'})"]
+        f"({describe_link(link) if link else 'given'}), boundary message "
+        f"{i.get('boundary_msg_s', 0.0) * 1e3:.2f} ms" + (" (probed)" if report.get("boundary_message") else "")]
     for c in report["candidates"]:
         lines.append(f"  F={c['fc_workers']} C={c['conv_workers']} (<= {c['convs_per_fc']} per FC): "
                      f"pipeline {c['pipeline_s'] * 1e3:.2f} ms, CONV exchange {c['conv_exchange_s'] * 1e3:.2f} ms, "
