@@ -155,6 +155,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--pin", action="store_true", help="pin rank r to core r %% ncpu")
     ap.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads")
+    ap.add_argument("--inter-op", type=int, default=1,
+                    help="TensorFlow inter-op threads (1: one executor thread, as hgsgc train with "
+                         "train.threads=1; 2 lets a ready exchange branch run beside the backward chain)")
     ap.add_argument("--phases", default="compute_no_hvd,compute_hvd_idle,compression,allgather_hvd,"
                     "allgather_mpi,step")
     ap.add_argument("--label", default="")
@@ -184,7 +187,7 @@ def main(argv=None):
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     from hgsgc.models import build_model
 
     threads = Threads()
@@ -239,7 +242,7 @@ def main(argv=None):
     res.update({"world_size": n, "method": args.method, "delay": args.delay, "density": args.density,
                 "compression": comp.to_dict() if hasattr(comp, "to_dict") else str(comp),
                 "payload_bytes": P, "model": args.model, "batch": args.batch, "pin": args.pin,
-                "tf_threads": args.threads, "label": args.label, "bandwidth": args.bandwidth,
+                "tf_threads": args.threads, "inter_op_threads": args.inter_op, "label": args.label, "bandwidth": args.bandwidth,
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("HOROVOD_", "OMPI_MCA_", "HGSGC_"))},
                 "hvd_threads": len(threads.hvd), "runtime_defaults_applied": applied})
