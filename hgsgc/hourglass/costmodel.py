@@ -781,6 +781,10 @@ def measure_costs(split, batch_size: int, conv_compression, fc_compression,
         micro_batches=int(micro_batches), cycle_s=float(cycle_s), **stages)
 
 
+#: The most CONV ranks' micro-batches :func:`measure_pipeline_stages` concatenates for its FC fit.
+FC_FIT_MAX_CONVS = 64
+
+
 def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_per_fc: int,
                             repeats: int = 3) -> dict:
     """This rank's Hourglass stages as the pipeline of :class:`~hgsgc.hourglass.step.HourglassTrainer`
@@ -800,7 +804,8 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
     each, as ``_fc_step`` does it minus MPI and the codec: concatenate ``k`` arrays, convert to a
     tensor, the head's forward + backward (sum of sparse cross-entropy) in a ``tf.function`` with
     the trainer's input signature, ``dA`` back to NumPy and split into ``k`` parts; timed for
-    ``k = 1`` and ``k = K = max(2, max_convs_per_fc)``, fitted as ``fc_call_s + rows fc_row_s``
+    ``k = 1`` and ``k = K = min(max(2, max_convs_per_fc), FC_FIT_MAX_CONVS)`` (64: the fit is
+    linear in the rows; a plan for 100000 nodes needs no 99999 micro-batches in memory), fitted as ``fc_call_s + rows fc_row_s``
     (``fc_row_s = (t_K - t_1) / ((K - 1) r)``, ``fc_call_s = t_1 - r fc_row_s``, both >= 0).
 
     Each: one warm-up call (tracing), then ``repeats`` timed calls (medians).
@@ -903,7 +908,9 @@ def measure_pipeline_stages(split, x: np.ndarray, micro_batches: int, max_convs_
             ts.append(time.perf_counter() - t0)
         return sorted(ts)[len(ts) // 2]
 
-    K = max(2, int(max_convs_per_fc))
+    # at most FC_FIT_MAX_CONVS parts: the fit is linear in the rows, and N - 1 parts of a large N
+    # (hgsgc plan --nodes 100000) would not fit in memory
+    K = min(max(2, int(max_convs_per_fc)), FC_FIT_MAX_CONVS)
     t1, tK = timed(1), timed(K)
     row = max(0.0, (tK - t1) / ((K - 1) * r))
     return {"conv_fwd_mb_s": t_fwd / M, "conv_bwd_mb_s": max(0.0, t_bwd) / M,
