@@ -39,3 +39,75 @@ def test_fc_fit_of_a_huge_cluster_concatenates_at_most_64_micro_batches(monkeypa
     parts.clear()
     costmodel.measure_pipeline_stages(split, x, micro_batches=2, max_convs_per_fc=3, repeats=1)
     assert max(parts) == 3 and parts.count(3) == 2 * 2    # small clusters: N - 1 parts, as before
+
+
+def _identity(comp, fc=None):
+    run = {"world_size": 2, "layout": "data_parallel", "model": "tiny", "parameters": {"w:0": [3]},
+           "compression": comp.to_dict()}
+    if fc is not None:
+        run.update(layout="hourglass", fc_compression=fc.to_dict())
+    return run
+
+
+def test_a_run_resumes_with_another_bucket_count(tmp_path):
+    """compression.buckets only schedules the allgathers (bit for bit one fused payload): a
+    preempted run resubmitted with compression.buckets=4 was refused ('written by a different
+    run', the two 12-key dicts differing in buckets only). It resumes now, from a checkpoint of
+    this session (buckets=1) and from an older one without the key; a real change is still refused."""
+    import dataclasses
+
+    import pytest
+
+    from hgsgc import checkpoint as ckpt
+    from hgsgc.compression import Compression
+
+    sgc, fc = Compression.sgc(0.01), Compression.topk(0.01)
+    d = str(tmp_path)
+    ckpt.save(d, 5, {"w": np.zeros(3)}, _identity(sgc, fc))
+    old = _identity(sgc)
+    del old["compression"]["buckets"]
+    ckpt.save(str(tmp_path / "old"), 3, {"w": np.zeros(3)}, old)
+    b4 = dataclasses.replace(sgc, buckets=4)
+    assert ckpt.resolve(d, "auto", _identity(b4, dataclasses.replace(fc, buckets=2)))[0] == ckpt.step_dir(d, 5)
+    assert ckpt.resolve(str(tmp_path / "old"), "auto", _identity(b4))[0] == ckpt.step_dir(str(tmp_path / "old"), 3)
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"density\": 0.01.*density\": 0.02"):
+        ckpt.resolve(d, "auto", _identity(dataclasses.replace(b4, density=0.02), fc))
+    with pytest.raises(ckpt.CheckpointMismatch, match="FC compression"):
+        ckpt.resolve(d, "auto", _identity(b4, Compression.topk(0.05, buckets=2)))
+
+
+def test_exchanger_state_continues_bit_for_bit_under_another_bucket_count():
+    """What the resume above relies on: an Exchanger's state tree saved with one fused payload,
+    loaded into one with buckets=3, gives the same next averages and residuals bit for bit as
+    continuing with one payload (2-bit SGC, fused error-feedback kernel)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from hgsgc.communicator import Exchanger
+    from hgsgc.compression import Compression
+
+    hvd.init()
+    shapes = [(40, 30), (17,), (3, 3, 2, 5), (6, 50), (90, 7)]
+    names = [f"r7_t{i}" for i in range(len(shapes))]
+
+    def xs(seed):
+        g = np.random.default_rng(seed)
+        return [tf.constant(g.standard_normal(s).astype(np.float32)) for s in shapes]
+
+    first = Exchanger(Compression.sgc(0.05))
+    for seed in (1, 2):
+        first.exchange(xs(seed), names)
+    state = first.state_dict()
+    state = {k: ({n: np.array(a) for n, a in v.items()} if isinstance(v, dict) and k != "stats" else v)
+             for k, v in state.items()}
+    again = Exchanger(Compression.sgc(0.05, buckets=3))
+    again.load_state_dict(state)
+    a, b = first.exchange(xs(3), names), again.exchange(xs(3), names)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u.numpy(), v.numpy())
+    for n, s in zip(names, shapes):
+        np.testing.assert_array_equal(first.memory.residual(n, (int(np.prod(s)),)).numpy(),
+                                      again.memory.residual(n, (int(np.prod(s)),)).numpy())
+    # the counters continue too: 2 fused exchanges restored, then one in 2 groups
+    assert first.stats.snapshot()["messages"] == 3 and again.costs(shapes)["messages"] == 2
+    assert again.stats.snapshot()["messages"] == 2 + 2
