@@ -1,6 +1,10 @@
 """Robustness (session 7): edges of what landed in session 7 (compression.buckets, the Hourglass
 boundary message probe, hgsgc plan's bounded fc_workers search). Exact values, no wall clock."""
+import os
+import shutil
+
 import numpy as np
+import pytest
 
 
 def _tiny_split():
@@ -56,8 +60,6 @@ def test_a_run_resumes_with_another_bucket_count(tmp_path):
     this session (buckets=1) and from an older one without the key; a real change is still refused."""
     import dataclasses
 
-    import pytest
-
     from hgsgc import checkpoint as ckpt
     from hgsgc.compression import Compression
 
@@ -111,3 +113,38 @@ def test_exchanger_state_continues_bit_for_bit_under_another_bucket_count():
     # the counters continue too: 2 fused exchanges restored, then one in 2 groups
     assert first.stats.snapshot()["messages"] == 3 and again.costs(shapes)["messages"] == 2
     assert again.stats.snapshot()["messages"] == 2 + 2
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_resume_with_buckets_3_from_a_fused_run_is_bit_exact_on_3_ranks(tmp_path):
+    """End to end, 3 ranks, DGC (momentum correction + error feedback): a run checkpointed at
+    step 3 with one fused allgather, resumed with compression.buckets=3, ends with every rank's
+    state bit for bit the uninterrupted fused run's (only the message counters differ)."""
+    import subprocess
+
+    from ckpt_compare import compare
+    from conftest import MPIRUN, PY, ROOT
+
+    base = ["configs/fashion_mnist_dense.yaml", "model.name=tiny", "data.train_limit=2000",
+            "data.test_limit=200", "train.epochs=2", "train.max_steps_per_epoch=5", "train.progress=false",
+            "train.deterministic=true", "checkpoint.keep=20", "train.threads=1",
+            "compression.method=dgc", "compression.density=0.05"]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+
+    def train(run_id, extra):
+        cmd = (MPIRUN + ["-np", "3", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY, "-m", "hgsgc.cli",
+                         "train"] + base + [f"run.out_dir={tmp_path}", f"run.id={run_id}"] + extra)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p
+
+    train("a", ["checkpoint.every_steps=3"])
+    a = tmp_path / "a" / "checkpoints"
+    os.makedirs(tmp_path / "b" / "checkpoints")
+    shutil.copytree(a / "step-00000003", tmp_path / "b" / "checkpoints" / "step-00000003")
+    p = train("b", ["compression.buckets=3"])
+    assert "resuming from" in p.stdout and "(step 3)" in p.stdout, p.stdout[-2000:]
+    n, diffs = compare(str(a / "step-00000010"), str(tmp_path / "b" / "checkpoints" / "step-00000010"))
+    assert n >= 30 and diffs, (n, diffs)
+    assert {d.rsplit("/", 1)[-1] for d in diffs} <= {"messages", "rounds"}, diffs
