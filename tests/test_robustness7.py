@@ -148,3 +148,32 @@ def test_resume_with_buckets_3_from_a_fused_run_is_bit_exact_on_3_ranks(tmp_path
     n, diffs = compare(str(a / "step-00000010"), str(tmp_path / "b" / "checkpoints" / "step-00000010"))
     assert n >= 30 and diffs, (n, diffs)
     assert {d.rsplit("/", 1)[-1] for d in diffs} <= {"messages", "rounds"}, diffs
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,bad", [(3, 2), (3, 0), (4, 1)])
+def test_boundary_probe_failing_on_one_rank_ends_the_job(run_mpi, np_, bad):
+    """layout: auto's boundary probe with a bad sample on one rank only: that rank raises before
+    any message while rank 0 waits for it or the others wait at the next pair's barrier; the job
+    ends (MPI_Abort from the CLI's error path) with one line naming the rank, within the timeout."""
+    p = run_mpi(np_, ["tests/mpi/probe_fail_one_rank.py", str(bad)], timeout=120)
+    assert p.returncode != 0
+    assert f"hgsgc: error on rank {bad}: ValueError: probe_boundary needs a, g float32" in p.stderr, p.stderr[-2000:]
+    assert "UNREACHABLE" not in p.stdout
+
+
+@pytest.mark.mpi
+def test_boundary_probe_on_4_ranks_pairs_rank_0_with_every_rank():
+    """tests/mpi/check_boundary_probe.py (run by its own test with 2 and 3 ranks) on 4 ranks."""
+    from conftest import mpi_result
+
+    from hgsgc.hourglass import costmodel
+
+    res = mpi_result(4, ["tests/mpi/check_boundary_probe.py"], timeout=300)
+    assert res["size"] == 4
+    for key in ("fp32/fp32", "sparse+q8/sparse+q8"):
+        ps = [r["probes"][key] for r in res["ranks"]]
+        assert all(p == ps[0] for p in ps) and [q[0] for q in ps[0]["pairs"]] == [1, 2, 3]
+        m = costmodel.boundary_message_inputs(ps[0], 300.0, 250.0, 2e-6, 1e-4, 12.5e6)
+        assert m["boundary_msg_s"] == max(p[2] for p in m["per_pair"]) and len(m["per_pair"]) == 3
+    assert all("probe_boundary" in r["bad_input_error"] for r in res["ranks"])
