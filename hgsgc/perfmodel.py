@@ -15,6 +15,7 @@ the setting itself (``setting.payload_bytes(shapes)``, ``setting.algorithm``, an
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Tuple
@@ -606,6 +607,11 @@ class Link:
         bidir_factor: fraction of ``beta_Bps`` each direction keeps when both ends of a
             connection send at once (pairwise exchanges); 1 on a tuned cluster, 0.5 under
             Open MPI 4.1's TCP ``put`` protocol (docs/cluster.md).
+        burst_bytes: payload bytes of a token bucket in front of the link, >= 0: 0 for a real
+            link (the default, and what ``hgsgc plan`` uses); the emulator's ``tbf`` bucket
+            otherwise (:func:`tbf_burst_bytes`, :func:`link_for` ``(tbf=True)``). Bytes the
+            bucket holds tokens for leave at once; :meth:`time` ignores it, the collectives of a
+            step are charged with it by :func:`exchange_wire_s`.
 
     Raises:
         ValueError: a value outside those ranges.
@@ -614,10 +620,13 @@ class Link:
     alpha_s: float
     beta_Bps: float
     bidir_factor: float = 1.0
+    burst_bytes: float = 0.0
 
     def __post_init__(self):
-        if not (self.alpha_s >= 0 and self.beta_Bps > 0 and 0 < self.bidir_factor <= 1):
-            raise ValueError(f"Link needs alpha_s >= 0, beta_Bps > 0 and 0 < bidir_factor <= 1, got {self}")
+        if not (self.alpha_s >= 0 and self.beta_Bps > 0 and 0 < self.bidir_factor <= 1
+                and self.burst_bytes >= 0 and math.isfinite(self.burst_bytes)):
+            raise ValueError(f"Link needs alpha_s >= 0, beta_Bps > 0, 0 < bidir_factor <= 1 and finite "
+                             f"burst_bytes >= 0, got {self}")
 
     def time(self, nbytes: float, messages: int = 1, pairwise: bool = False) -> float:
         """Seconds for ``messages`` sequential messages carrying ``nbytes`` bytes in all."""
@@ -625,16 +634,50 @@ class Link:
         return messages * self.alpha_s + nbytes / beta
 
 
+#: The emulator's tbf bucket (scripts/cluster/cluster.sh ``up``): ``burst = max(rate_Bps / 500,
+#: 15140)`` bytes, i.e. 2 ms of the rate and at least 10 full 1514-byte frames, on both ends of
+#: every link (the host's egress and the switch port towards the host).
+TBF_BURST_DIVISOR = 500
+TBF_BURST_MIN_BYTES = 15140
+
+
+def tbf_burst_bytes(bandwidth) -> int:
+    """Bytes (Ethernet frames as tbf counts them) of the bucket ``scripts/cluster/cluster.sh``
+    gives a link of ``bandwidth`` (tc rate or bit/s), with cluster.sh's integer arithmetic::
+
+        rate_Bps = int(rate_bit_s / 8);  burst = max(rate_Bps // 500, 15140)
+
+    e.g. 25,000 at 100mbit, 250,000 at 1gbit, 15,140 at 10mbit. Not fitted: the configuration.
+
+    Raises:
+        ValueError: ``bandwidth`` not a positive rate (:func:`parse_rate`).
+    """
+    rate_Bps = int(parse_rate(bandwidth) / 8.0)
+    return max(rate_Bps // TBF_BURST_DIVISOR, TBF_BURST_MIN_BYTES)
+
+
 def link_for(bandwidth, alpha_s: Optional[float] = None, efficiency: Optional[float] = None,
-             bidir_factor: Optional[float] = None, calibration: Optional[dict] = None) -> Link:
+             bidir_factor: Optional[float] = None, calibration: Optional[dict] = None,
+             tbf: bool = False) -> Link:
     """The :class:`Link` of a host whose link runs at ``bandwidth`` (tc rate or bit/s):
     ``beta = rate / 8 * efficiency``; unset arguments come from ``calibration`` (default
-    :data:`EMULATOR`; for a tuned cluster pass ``bidir_factor=1``)."""
+    :data:`EMULATOR`; for a tuned cluster pass ``bidir_factor=1``).
+
+    ``tbf``: the link is the emulator's (``cluster.sh up --bandwidth``), a token bucket of
+    ``burst_bytes = tbf_burst_bytes(bandwidth) * FRAME_EFFICIENCY`` payload bytes (tbf counts
+    frame bytes; 1448 of every 1514 are TCP payload: framing only, not the calibrated
+    ``efficiency``, which also holds CPU limits, e.g. 0.44 at 1 Gbit/s here); default False: a
+    real link, ``burst_bytes = 0``.
+
+    Raises:
+        ValueError: ``bandwidth`` not a rate, or a :class:`Link` value out of range.
+    """
     cal = EMULATOR if calibration is None else calibration
     eff = cal["efficiency"] if efficiency is None else efficiency
     return Link(alpha_s=cal["alpha_s"] if alpha_s is None else alpha_s,
                 beta_Bps=parse_rate(bandwidth) / 8.0 * eff,
-                bidir_factor=cal.get("bidir_factor", 1.0) if bidir_factor is None else bidir_factor)
+                bidir_factor=cal.get("bidir_factor", 1.0) if bidir_factor is None else bidir_factor,
+                burst_bytes=tbf_burst_bytes(bandwidth) * FRAME_EFFICIENCY if tbf else 0.0)
 
 
 ALGORITHMS = costs.ALGORITHMS
@@ -682,6 +725,86 @@ def exchange_s(k: int, payload: float, algorithm: str, link: Link, hosts: Option
         return link.time(c["bytes"], c["messages"], pairwise=c["pairwise"])
     return link.time(costs.exchange_bytes(k, payload, algorithm), costs.exchange_messages(k, algorithm),
                      pairwise=True)
+
+
+def _exchange_parts(k: int, payload: float, algorithm: str, link: Link, hosts=None) -> Tuple[float, float, float]:
+    """``(fixed_s, wire_bytes, rate_Bps)`` of one collective over ``link`` such that
+    :func:`exchange_s` = ``fixed_s + wire_bytes / rate_Bps`` (``fixed_s``: the messages' alpha
+    and, for ``node``, the intra-host share; ``rate_Bps``: beta, times bidir_factor if pairwise)."""
+    if algorithm not in costs.ALGORITHMS:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {', '.join(costs.ALGORITHMS)}")
+    if k <= 1:
+        return 0.0, 0.0, link.beta_Bps
+    if algorithm == "node" and hosts:
+        sizes = [int(h) for h in hosts]
+        intra = exchange_s(k, payload, "node", link, hosts) - exchange_s(len(sizes), payload, "tree", link)
+        fixed, nbytes, rate = _exchange_parts(len(sizes), payload, "tree", link)
+        return intra + fixed, nbytes, rate
+    if algorithm in ("ring", "allgather"):
+        c = costs.ompi_collective_cost("allreduce" if algorithm == "ring" else "allgatherv", k, payload)
+        m, nbytes, pw = c["messages"], c["bytes"], c["pairwise"]
+    else:
+        m, nbytes, pw = costs.exchange_messages(k, algorithm), costs.exchange_bytes(k, payload, algorithm), True
+    return m * link.alpha_s, float(nbytes), link.beta_Bps * (link.bidir_factor if pw else 1.0)
+
+
+def bucket_at_start_bytes(burst_bytes: float, idle_s: float, refill_Bps: float, exchange_bytes: float) -> float:
+    """Payload bytes of tokens in a token bucket when an exchange starts, in the steady state of
+    a training where every exchange sends ``exchange_bytes`` and the link then stays idle for
+    ``idle_s`` seconds, refilling at ``refill_Bps`` (capped at ``burst_bytes``).
+
+    Assumptions: tokens accrue only while the link is idle (during the transfer the rate's
+    tokens are spent at once), none during the exchange's own message latencies (conservative),
+    and the bucket is full when training starts. Iterating ``b' = min(burst, max(0, b - S) + I r)``
+    (``S`` the exchange's bytes, ``I r`` the refill) from a full bucket converges to::
+
+        b = burst                  if I r >= S    (refills within the step: full at each start)
+        b = min(burst, I r)        otherwise      (the exchange empties it; only the refill is left)
+
+    Raises:
+        ValueError: a negative or non-finite argument.
+    """
+    vals = (burst_bytes, idle_s, refill_Bps, exchange_bytes)
+    if not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise ValueError(f"bucket_at_start_bytes needs finite values >= 0, got burst_bytes={burst_bytes}, "
+                         f"idle_s={idle_s}, refill_Bps={refill_Bps}, exchange_bytes={exchange_bytes}")
+    if burst_bytes == 0:
+        return 0.0
+    refill = idle_s * refill_Bps
+    return float(burst_bytes) if refill >= exchange_bytes else min(float(burst_bytes), refill)
+
+
+def exchange_wire_s(k: int, tr: "Traffic", link: Link, hosts: Optional[Sequence[int]] = None,
+                    idle_s: float = 0.0) -> float:
+    """Seconds the busiest of ``k`` ranks spends in the collectives of one exchange ``tr`` over
+    ``link``, with the link's token bucket (:attr:`Link.burst_bytes`).
+
+    ``burst_bytes == 0`` (a real link): ``sum(exchange_s(...))`` over the collectives, exactly.
+    Otherwise the bucket starts the exchange with ``b0`` = :func:`bucket_at_start_bytes` ``(burst,
+    idle_s, beta, S)`` payload bytes (``S``: the bytes the busiest rank sends in the exchange,
+    ``idle_s``: the seconds per exchange its link is idle) and the collectives, in order, spend
+    it: a collective of ``m`` messages, ``B`` bytes at rate ``beta'`` (:func:`exchange_s`) takes::
+
+        m alpha + max(0, B - b) / beta',    b <- max(0, b - B)
+
+    (bytes covered by tokens leave at veth speed, charged 0 s; no refill between the messages of
+    one exchange). The emulator has a bucket on both ends of a link with the same rate and burst:
+    the second passes what the first lets through (the burst at once, the rest at the rate), so
+    the pair acts as one.
+
+    Raises:
+        ValueError: unknown algorithm, or ``idle_s`` negative.
+    """
+    if link.burst_bytes == 0:
+        return sum(exchange_s(k, b, alg, link, hosts) for alg, b in tr.collectives)
+    parts = [_exchange_parts(k, b, alg, link, hosts) for alg, b in tr.collectives]
+    avail = bucket_at_start_bytes(link.burst_bytes, float(idle_s), link.beta_Bps, sum(p[1] for p in parts))
+    total = 0.0
+    for fixed, nbytes, rate in parts:
+        free = min(avail, nbytes)
+        avail -= free
+        total += fixed + (nbytes - free) / rate
+    return total
 
 
 #: Bytes of Horovod's per-cycle negotiation allreduce with the response cache on (its default):
@@ -846,7 +969,8 @@ def sync_wait_s(compute_samples: Sequence[Sequence[float]],
 
 def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, link: Link,
                  hosts: Optional[Sequence[int]] = None, cycle_s: float = EMULATOR["cycle_s"],
-                 wait_s: float = 0.0, coordination_overhead_s: Optional[float] = None) -> dict:
+                 wait_s: float = 0.0, coordination_overhead_s: Optional[float] = None,
+                 link_idle_s: Optional[float] = None) -> dict:
     """Predicted mean seconds per data-parallel step on ``k`` ranks.
 
     ``step = compute + (compression + wait + sum of the collectives + coordination) / delay``,
@@ -859,14 +983,24 @@ def predict_step(compute_s: float, compression_s: float, tr: Traffic, k: int, li
     overlap of communication with compute (hgsgc exchanges one fused payload after the backward
     pass).
 
+    The collectives are charged by :func:`exchange_wire_s`: with a token-bucket link
+    (``link.burst_bytes > 0``, the emulator) the bucket refills while the link is idle, by default
+    ``link_idle_s = delay * compute + compression + wait + coordination`` seconds per exchange
+    (everything but the collectives); pass ``link_idle_s`` when ``compute_s`` is not the step's
+    (e.g. a wire-only prediction with ``compute_s = 0``). Unused when ``burst_bytes == 0``.
+
     Returns:
         ``{"compute_s", "compression_s", "wait_s", "wire_s", "coordination_s", "step_s"}``, each
         already divided by the delay where it happens once per exchange.
+    Raises:
+        ValueError: an unknown algorithm in ``tr``, or ``link_idle_s < 0`` on a bucket link.
     """
     h = max(1, int(tr.delay))
-    wire = sum(exchange_s(k, b, alg, link, hosts) for alg, b in tr.collectives)
     n_ag = sum(1 for alg, _ in tr.collectives if alg == "allgather")
     coord = coordination_s(k, link, len(tr.collectives), cycle_s, n_ag, coordination_overhead_s)
+    if link_idle_s is None:
+        link_idle_s = max(0.0, h * float(compute_s) + float(compression_s) + float(wait_s) + coord)
+    wire = exchange_wire_s(k, tr, link, hosts, link_idle_s)
     out = {"compute_s": float(compute_s), "compression_s": float(compression_s) / h,
            "wait_s": float(wait_s) / h, "wire_s": wire / h, "coordination_s": coord / h}
     out["step_s"] = sum(out.values())
