@@ -137,13 +137,16 @@ class Exchanger:
         comp, n, h = self._compression, self.size, self.hierarchy
         dense = sum(b for a, b in comp.collectives(shapes) if a == "ring") if getattr(comp, "dense_vectors", False) else 0
         P = self.payload_bytes(shapes) - dense
-        if h == "tree":
+        groups = self._allgather_groups(shapes)
+        if groups == 0:  # no tensor for the sparse collective: the exchange makes no such call
+            out = dict.fromkeys(("bytes_sent", "bytes_received", "messages", "rounds", "inter_bytes_sent",
+                                 "inter_bytes_received"), 0)
+        elif h == "tree":
             out = costs.tree_cost(n, self.rank, P)
         elif h == "node":
             out = costs.node_cost(self.plan().hosts, self.rank, P)
         else:
             out = costs.allgather_cost(n, P)
-            groups = self._allgather_groups(shapes)
             out["messages"] *= groups
             out["rounds"] *= groups
         if dense:  # dense_vectors: plus one fp32 ring allreduce of the rank < 2 tensors
@@ -157,16 +160,21 @@ class Exchanger:
 
     def _allgather_groups(self, shapes) -> int:
         """Allgathers per sparse exchange of ``shapes``: ``compression.buckets`` groups at most
-        (:func:`hgsgc.compression.reducers.bucket_indices`), 1 without buckets."""
+        (:func:`hgsgc.compression.reducers.bucket_indices`), 1 without buckets; 0 when no tensor
+        goes to the sparse collective (every one empty, or of rank < 2 with ``dense_vectors``)."""
         comp = self._compression
+        if not hasattr(comp, "dense_shape"):  # not a top-k setting: one collective
+            return 1
+        numels = [int(math.prod(int(d) for d in s)) for s in shapes if not comp.dense_shape(s)]
+        if not any(m > 0 for m in numels):  # empty tensors pass through
+            return 0
         if getattr(comp, "buckets", 1) == 1:
             return 1
         from hgsgc.compression.reducers import bucket_indices
 
         codec = comp.codec()
-        numels = [int(math.prod(int(d) for d in s)) for s in shapes if not comp.dense_shape(s)]
-        sizes = [codec.payload_length(m) for m in numels if m > 0]  # empty tensors pass through
-        return max(1, len(bucket_indices(sizes, comp.buckets)))
+        sizes = [codec.payload_length(m) for m in numels if m > 0]
+        return len(bucket_indices(sizes, comp.buckets))
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
         """The rank's payload in bytes for one exchange of float32 tensors of ``shapes``."""

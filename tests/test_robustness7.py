@@ -177,3 +177,27 @@ def test_boundary_probe_on_4_ranks_pairs_rank_0_with_every_rank():
         m = costmodel.boundary_message_inputs(ps[0], 300.0, 250.0, 2e-6, 1e-4, 12.5e6)
         assert m["boundary_msg_s"] == max(p[2] for p in m["per_pair"]) and len(m["per_pair"]) == 3
     assert all("probe_boundary" in r["bad_input_error"] for r in res["ranks"])
+
+
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_costs_of_an_exchange_without_a_sparse_tensor_match_the_counters(buckets):
+    """Exchanger.costs counted one allgather for an exchange that makes none: every tensor of
+    rank < 2 with dense_vectors (e.g. only biases / batch-norm parameters trained), or every
+    tensor empty (costs 2 messages vs the counters' 1, 1 vs 0). The formula now equals the
+    counters; with sparse tensors it is unchanged (one message per bucket group)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from hgsgc.communicator import Exchanger
+    from hgsgc.compression import SparseCompression
+
+    hvd.init()
+    for shapes, dv, messages in (([(5,), (7,), (3,)], True, 1), ([(0,), (0, 3)], False, 0),
+                                 ([(5,), (0,), (4, 3)], True, 2), ([(4, 3), (2,)], False, min(buckets, 2))):
+        ex = Exchanger(SparseCompression(0.01, method="sgc", bits=2, dense_vectors=dv, buckets=buckets))
+        g = np.random.default_rng(0)
+        ex.exchange([tf.constant(g.standard_normal(s).astype(np.float32)) for s in shapes],
+                    [f"r7c_{i}" for i in range(len(shapes))])
+        st, c = ex.stats.snapshot(), ex.costs(shapes)
+        assert st["messages"] == c["messages"] == messages, (shapes, st, c)
+        assert (st["bytes_sent"], st["payload_bytes"]) == (c["bytes_sent"], c["payload_bytes"])
