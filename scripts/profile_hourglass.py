@@ -82,6 +82,50 @@ def phases(trace, is_conv):
     return out
 
 
+def build_trainer(config, overrides):
+    """The Hourglass trainer of ``config`` (+ ``overrides``) for this MPI rank, as ``hgsgc train`` builds it.
+
+    Seeds TensorFlow with ``run.seed``, splits the task's model at ``hourglass.split_layer``,
+    forms the layout over ``MPI.COMM_WORLD`` and passes every ``hourglass.*`` and compression
+    setting to :class:`hgsgc.hourglass.step.HourglassTrainer` (plain SGD with ``train.lr`` and
+    ``train.momentum``; no schedule). Shared by this script and ``trace_hourglass_steps.py``.
+
+    Returns:
+        ``(cfg, world, rank, task, layout, trainer)``.
+
+    Raises:
+        hgsgc.config.ConfigError: a bad config or override (one line, from ``load_config``).
+    """
+    from mpi4py import MPI
+
+    from hgsgc import config as config_mod
+    from hgsgc.loop import setup_threads
+
+    cfg = config_mod.load_config(config, overrides)
+    setup_threads(cfg.train.threads)
+    import tensorflow as tf
+
+    from hgsgc.hourglass.layout import Layout
+    from hgsgc.hourglass.split import split_model
+    from hgsgc.hourglass.step import HourglassTrainer
+    from hgsgc.tasks import make_task
+
+    world = MPI.COMM_WORLD
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+    task = make_task(cfg)
+    split = split_model(task.build_model(), cfg.hourglass.split_layer)
+    layout = Layout(world, int(cfg.hourglass.fc_workers))
+    opt = tf.keras.optimizers.legacy.SGD(learning_rate=cfg.train.lr, momentum=cfg.train.momentum)
+    trainer = HourglassTrainer(layout, split, cfg.train.batch_size, opt,
+                               compression=config_mod.compression_from_config(cfg.compression),
+                               fc_compression=config_mod.fc_compression_from_config(cfg),
+                               wire_dtype=cfg.hourglass.wire_dtype,
+                               micro_batches=cfg.hourglass.micro_batches,
+                               act_codec=cfg.hourglass.act_codec, grad_codec=cfg.hourglass.grad_codec,
+                               codec_seed=cfg.run.seed)
+    return cfg, world, world.Get_rank(), task, layout, trainer
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -91,38 +135,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the per-rank results here (rank 0)")
     args = ap.parse_args(argv)
 
-    from mpi4py import MPI
-
-    from hgsgc import config as config_mod
-    from hgsgc.loop import setup_threads
-
-    cfg = config_mod.load_config(args.config, args.overrides)
-    setup_threads(cfg.train.threads)
-    import tensorflow as tf
-
+    cfg, world, rank, task, layout, trainer = build_trainer(args.config, args.overrides)
+    C = layout.n_conv
     from hgsgc.hourglass import boundary as bd
     from hgsgc.hourglass.boundary_reference import ReferenceCodec
-    from hgsgc.hourglass.layout import Layout
-    from hgsgc.hourglass.split import split_model
-    from hgsgc.hourglass.step import HourglassTrainer
-    from hgsgc.tasks import make_task
 
-    world = MPI.COMM_WORLD
-    rank = world.Get_rank()
-    tf.keras.utils.set_random_seed(cfg.run.seed)
-    task = make_task(cfg)
-    split = split_model(task.build_model(), cfg.hourglass.split_layer)
-    layout = Layout(world, int(cfg.hourglass.fc_workers))
-    C = layout.n_conv
-    b = cfg.train.batch_size
-    opt = tf.keras.optimizers.legacy.SGD(learning_rate=cfg.train.lr, momentum=cfg.train.momentum)
-    trainer = HourglassTrainer(layout, split, b, opt,
-                               compression=config_mod.compression_from_config(cfg.compression),
-                               fc_compression=config_mod.fc_compression_from_config(cfg),
-                               wire_dtype=cfg.hourglass.wire_dtype,
-                               micro_batches=cfg.hourglass.micro_batches,
-                               act_codec=cfg.hourglass.act_codec, grad_codec=cfg.hourglass.grad_codec,
-                               codec_seed=cfg.run.seed)
     impls = {"compiled": (trainer.act_codec, trainer.grad_codec),
              "numpy": (trainer.act_codec, trainer.grad_codec),
              "reference": (ReferenceCodec(trainer.act_codec), ReferenceCodec(trainer.grad_codec))}
@@ -162,7 +179,7 @@ def main(argv=None):
     if rank != 0:
         return 0
     out = {"config": args.config, "overrides": args.overrides, "world": world.Get_size(),
-           "steps_per_impl": args.steps, "warmup": args.warmup, "batch_size": b,
+           "steps_per_impl": args.steps, "warmup": args.warmup, "batch_size": cfg.train.batch_size,
            "micro_batches": cfg.hourglass.micro_batches, "loadavg_before": load_before,
            "loadavg_after": _loadavg(), "ranks": every}
     print(f"loadavg before {load_before} | after {out['loadavg_after']}")

@@ -2,6 +2,7 @@
 timeline (issue 11, session 7: where the Hourglass step's waiting comes from).
 
     mpirun -np 4 python scripts/trace_hourglass_steps.py CONFIG OUT.json [overrides]   # 3 warm-up + 30 steps
+    # (the analysis reads two micro-batches: hourglass.micro_batches=2)
     python scripts/trace_hourglass_steps.py --analyse OUT.json
 
 ``time.perf_counter`` is ``CLOCK_MONOTONIC``, one clock for every process of a kernel (also the
@@ -11,6 +12,7 @@ prints, per mark, the median over steps of its time after the step's earliest ``
 No assertion: a measurement tool; the load goes with the output.
 """
 import json
+import os
 import sys
 
 
@@ -22,6 +24,10 @@ def analyse(path):
     R = {e["rank"]: e for e in d["ranks"]}
     conv = [r for r in R if R[r]["role"] == "conv"]; fc = [r for r in R if R[r]["role"] == "fc"][0]
     nst = len(R[fc]["steps"])
+    marks = {m[0] for m in R[conv[0]]["steps"][0]} if nst else set()
+    if "send_enter 1" not in marks:
+        sys.exit(f"{path}: the timeline reads two micro-batches per step (marks 'send_enter 0' and "
+                 "'send_enter 1'); trace with the override hourglass.micro_batches=2")
     rows = []
     for s in range(nst):
         t = {r: {m[0]: m[1] for m in R[r]["steps"][s]} for r in R}
@@ -46,36 +52,16 @@ def analyse(path):
     for k in ("fc_start", "fc_waited0", "fc_head0", "fc_waited1", "fc_head1", "fc_headexit1", "fc_end"):
         print(f"  {k:12s} {med(k):7.2f}")
     step = [max(r["conv_end"]) for r in rows]
-    print("step (last conv end) median", round(float(np.median(np.diff([0]+step))),2) if False else round(float(np.median(step)),2))
+    print("step (last conv end) median", round(float(np.median(step)), 2))
 
 
 def main():
     """Trace the steps under mpirun (see the module docstring)."""
     import numpy as np  # noqa: F811
-    from mpi4py import MPI
-    from hgsgc import config as config_mod
-    from hgsgc.loop import setup_threads
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_hourglass import build_trainer
 
-    cfg = config_mod.load_config(sys.argv[1], sys.argv[3:])
-    setup_threads(cfg.train.threads)
-    import tensorflow as tf
-    from hgsgc.hourglass.layout import Layout
-    from hgsgc.hourglass.split import split_model
-    from hgsgc.hourglass.step import HourglassTrainer
-    from hgsgc.tasks import make_task
-
-    world = MPI.COMM_WORLD
-    rank = world.Get_rank()
-    tf.keras.utils.set_random_seed(cfg.run.seed)
-    task = make_task(cfg)
-    split = split_model(task.build_model(), cfg.hourglass.split_layer)
-    layout = Layout(world, int(cfg.hourglass.fc_workers))
-    b = cfg.train.batch_size
-    opt = tf.keras.optimizers.legacy.SGD(learning_rate=cfg.train.lr, momentum=cfg.train.momentum)
-    tr = HourglassTrainer(layout, split, b, opt, compression=config_mod.compression_from_config(cfg.compression),
-                          fc_compression=config_mod.fc_compression_from_config(cfg), wire_dtype=cfg.hourglass.wire_dtype,
-                          micro_batches=cfg.hourglass.micro_batches, act_codec=cfg.hourglass.act_codec,
-                          grad_codec=cfg.hourglass.grad_codec, codec_seed=cfg.run.seed)
+    cfg, world, rank, task, layout, tr = build_trainer(sys.argv[1], sys.argv[3:])
     if layout.is_conv:
         batches = iter(task.train_data(layout.role_index, layout.n_conv, 0)[0])
     steps = []
