@@ -163,6 +163,20 @@ def test_boundary_probe_failing_on_one_rank_ends_the_job(run_mpi, np_, bad):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("np_,bad", [(2, 1), (3, 1), (3, 0), (4, 3)])
+def test_layout_auto_boundary_callable_failing_on_one_rank_ends_the_job(run_mpi, np_, bad):
+    """A user's own Layout(world, "auto", cost=..., boundary=...) without the CLI's run_guarded:
+    the collective boundary callable raises on one rank while the others are inside the probe.
+    It hung until mpirun's timeout before (the traceback printed, no rank ended); now that rank
+    prints one line and aborts the job."""
+    p = run_mpi(np_, ["tests/mpi/layout_boundary_fail_one_rank.py", str(bad)], timeout=120)
+    assert p.returncode != 0
+    assert (f"hgsgc: error on rank {bad}: ValueError: probe_boundary needs a, g float32" in p.stderr
+            and 'in the collective boundary= callable of Layout(..., "auto")' in p.stderr), p.stderr[-2000:]
+    assert "UNREACHABLE" not in p.stdout
+
+
+@pytest.mark.mpi
 def test_boundary_probe_on_4_ranks_pairs_rank_0_with_every_rank():
     """tests/mpi/check_boundary_probe.py (run by its own test with 2 and 3 ranks) on 4 ranks."""
     from conftest import mpi_result

@@ -200,6 +200,26 @@ class Layout:
     def n_conv(self) -> int:
         return self.plan.n_conv
 
+    def _collective(self, fn, what: str):
+        """Call the COLLECTIVE callable ``fn`` (``link=`` or ``boundary=`` of ``"auto"``).
+
+        If it raises on this rank, the other ranks are blocked inside it waiting for this one,
+        and no agreement step can reach them: this rank prints one line (``hgsgc: error on rank
+        R: Type: message (in the collective boundary= callable of Layout(..., "auto"))``) and
+        ends the whole job with ``Abort(1)`` on the layout's communicator, also without
+        :func:`hgsgc.cli.run_guarded`. A one-rank world re-raises the error instead.
+        """
+        try:
+            return fn()
+        except Exception as exc:
+            if self.world_size == 1:
+                raise
+            from hgsgc.faults import one_line
+
+            print(f"hgsgc: error on rank {self.rank}: {one_line(exc)} (in the collective {what}= "
+                  f'callable of Layout(..., "auto"))', file=sys.stderr, flush=True)
+            self.world.Abort(1)
+
     def _auto(self, cost, link, log, boundary=None) -> int:
         import dataclasses
 
@@ -214,8 +234,9 @@ class Layout:
         errors = [e for _, e in gathered if e]
         if errors:
             raise RuntimeError("fc_workers=auto: cost measurement failed on " + "; ".join(errors))
-        lk = link() if link is not None else link_inputs(self.world)  # collective: every rank
-        probe = boundary() if boundary is not None else None    # collective: every rank
+        # collective: every rank (a failure on one rank ends the job, see _collective)
+        lk = self._collective(link, "link") if link is not None else link_inputs(self.world)
+        probe = self._collective(boundary, "boundary") if boundary is not None else None
         report, err = None, None
         if self.rank == 0:
             try:
