@@ -169,7 +169,7 @@ def test_layout_auto_boundary_callable_failing_on_one_rank_ends_the_job(run_mpi,
     the collective boundary callable raises on one rank while the others are inside the probe.
     It hung until mpirun's timeout before (the traceback printed, no rank ended); now that rank
     prints one line and aborts the job."""
-    p = run_mpi(np_, ["tests/mpi/layout_boundary_fail_one_rank.py", str(bad)], timeout=120)
+    p = run_mpi(np_, ["tests/mpi/probe_fail_one_rank.py", str(bad), "layout"], timeout=120)
     assert p.returncode != 0
     assert (f"hgsgc: error on rank {bad}: ValueError: probe_boundary needs a, g float32" in p.stderr
             and 'in the collective boundary= callable of Layout(..., "auto")' in p.stderr), p.stderr[-2000:]
