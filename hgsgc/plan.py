@@ -166,6 +166,71 @@ def best_fc_workers(inputs_at, nodes: int, exhaustive: bool = False, stats: Opti
     return best["fc_workers"] if best is not None else None
 
 
+def boundary_overhead(act_codec, grad_codec, nonzero, micro_batches: int) -> dict:
+    """Where a boundary codec sends MORE bytes per example than fp32 (:func:`hgsgc.hourglass.
+    costmodel.boundary_bytes`, the one formula, for both).
+
+    A ``q8`` / ``q4`` message of ``r`` rows and ``f`` features carries ``4 f`` bytes of per-feature
+    scales besides its ``r f`` (q8) / ``ceil(r f / 2)`` (q4) code bytes, so with few rows per
+    message (``hourglass.micro_batches`` close to the batch) it is longer than fp32's ``4 r f``:
+    at one row, ``5 f`` (q8) and ``4 f + ceil(f / 2)`` (q4) against ``4 f``. A ``sparse+`` bitmap
+    (``ceil(r f / 8)``) can do the same at high density. Real overhead of the codecs, not of the
+    formula: the encoders send exactly these bytes (tests/test_plan_boundary_overhead.py).
+
+    Args:
+        act_codec, grad_codec: :class:`~hgsgc.hourglass.boundary.BoundaryCodec` s or specs.
+        nonzero: bool ``[b, f]``: the non-zero activations of a representative batch.
+        micro_batches: ``M``, 1 .. b (the configured ``hourglass.micro_batches``).
+
+    Returns:
+        ``{"act": d or None, "grad": d or None}``, None where the codec sends at most fp32's bytes;
+        ``d = {"codec", "bytes", "fp32_bytes", "ratio" (bytes / fp32_bytes), "micro_batches" (M),
+        "break_even_micro_batches" (the largest M' < M whose bytes per example are below fp32's,
+        None when no M' in 1 .. M - 1 is)}``; bytes per example (act: labels included, as
+        ``boundary_bytes``).
+
+    Raises:
+        ValueError: as :func:`hgsgc.hourglass.costmodel.boundary_bytes` (bad ``nonzero`` or ``M``).
+    """
+    from hgsgc.hourglass.boundary import BoundaryCodec
+    from hgsgc.hourglass.costmodel import boundary_bytes
+
+    ac, gc = BoundaryCodec.parse(act_codec), BoundaryCodec.parse(grad_codec)
+    M = int(micro_batches)
+    got = boundary_bytes(ac, gc, nonzero, M)
+    ref = boundary_bytes("fp32", "fp32", nonzero, M)
+    out = {"act": None, "grad": None}
+    for i, (name, codec) in enumerate((("act", ac), ("grad", gc))):
+        if got[i] <= ref[i]:
+            continue
+        even = None
+        for m in range(M - 1, 0, -1):
+            if boundary_bytes(ac, gc, nonzero, m)[i] < ref[i]:
+                even = m
+                break
+        out[name] = {"codec": codec.name, "bytes": got[i],
+                     "fp32_bytes": ref[i], "ratio": got[i] / ref[i], "micro_batches": M,
+                     "break_even_micro_batches": even}
+    return out
+
+
+def format_boundary_overhead(over: dict, batch_size: int) -> Optional[str]:
+    """One line naming each direction whose codec sends more than fp32 (:func:`boundary_overhead`),
+    or None when neither does."""
+    parts = []
+    for name in ("act", "grad"):
+        d = over.get(name) if over else None
+        if not d:
+            continue
+        rows = batch_size / d["micro_batches"]
+        fix = (f"hourglass.micro_batches <= {d['break_even_micro_batches']} makes it smaller"
+               if d["break_even_micro_batches"] else "no smaller micro_batches makes it smaller: use fp32 or fp16")
+        parts.append(f"{name}_codec {d['codec']} sends {d['bytes']:.1f} B/example, {d['ratio']:.2f}x fp32's "
+                     f"{d['fp32_bytes']:.1f} (M {d['micro_batches']}: {rows:.3g} row(s) per message, each "
+                     f"message carries its own per-feature scales / bitmap); {fix}")
+    return ("hourglass boundary: MORE bytes than fp32: " + "; ".join(parts)) if parts else None
+
+
 def rank_rows(rows: Sequence[dict], nodes: int, batch_size: int,
               steps_to_target: Optional[dict] = None) -> List[dict]:
     """Add ``s_per_global_batch`` (predicted seconds per ``nodes * batch_size`` examples: the step
@@ -220,6 +285,8 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     act, grad = configured_codecs(h)
     x, _ = pm._random_batch(model, b)
     meas = auto.measure(split, x.numpy(), act, grad, repeats=max(1, reps), micro_batches=int(h.micro_batches))
+    nonzero = split.trunk(x, training=False).numpy().reshape(b, -1) != 0
+    over = boundary_overhead(act, grad, nonzero, int(h.micro_batches))
     stages = auto.measure_pipeline_stages(split, x.numpy(), int(h.micro_batches), nodes - 1, repeats=max(1, reps))
     # the boundary message's software path in this one process (loopback over MPI.COMM_SELF; the
     # link's own per-message cost is the plan link's alpha): costmodel.message_cost_s, beta = inf
@@ -252,7 +319,7 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
     info = {"boundary_message": msg, "split_layer": split.boundary_layer,
             "features": int(split.features), "act_codec": act.name, "grad_codec": grad.name,
             "density_of_nonzero_activations": meas["density"], "conv_compression_cost": conv_cost,
-            "fc_compression_cost": fc_cost, "fc_method": h.fc_method,
+            "fc_compression_cost": fc_cost, "fc_method": h.fc_method, "boundary_overhead": over,
             "update_s": update, "update_split": "by parameter count",
             "compute_minus_stages_s": compute_s - b * (meas["t_conv"] + meas["t_fc"])}
     if log:
@@ -378,6 +445,9 @@ def format_plan(result: dict) -> str:
             f"message {hi.get('boundary_msg_s', 0.0) * 1e6:.0f} us (loopback)), "
             f"CONV exchange {hi['conv_payload']:.0f} B {hi['conv_algorithm']} H {hi['delay']}, FC exchange {h['fc_method']} "
             f"{hi['fc_payload']:.0f} B {hi['fc_algorithm']} H {hi['fc_delay']}")
+        warn = format_boundary_overhead(h.get("boundary_overhead"), i["batch_size"])
+        if warn:
+            lines.append(warn)
     lines.append(f"{'rank':>4} {'layout / method':<20} {'algorithm':<15} {'H':>2} {'payload B':>11} {'compute':>8} "
                  f"{'compress':>9} {'wire':>9} {'coord':>7} {'step ms':>9} {'ex/step':>7} {'ms/(N b)':>9} "
                  f"{'x best':>7} {'to target':>10}")

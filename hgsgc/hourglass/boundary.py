@@ -29,6 +29,17 @@ examples' activations - error feedback has no tensor to feed back into. Unbiased
 the gradient of the step an unbiased (noisier) estimate instead, the property SGD needs. A value
 beyond float16's range (65504) stops the job with a message naming the setting.
 
+**Break-even: the scales are paid per message.** A quantized message of ``r`` rows carries ``4 f``
+scale bytes besides its codes, so per example ``q8`` sends ``f (1 + 4 / r)`` and ``q4``
+``f (1 / 2 + 4 / r)`` against fp32's ``4 f`` and fp16's ``2 f``: with one row per message
+(``hourglass.micro_batches`` = the batch ``b``) ``q8`` sends ``5 f``, ``q4`` ``4.5 f``, MORE than
+fp32. With ``M`` micro-batches of a batch of ``b`` (``r = b / M`` on average, ``f`` even) ``q8`` is
+smaller than fp32 iff ``M < 3 b / 4`` (``r > 4 / 3``) and than fp16 iff ``M < b / 4`` (``r > 4``);
+``q4`` iff ``M < 7 b / 8`` (``r > 8 / 7``) and ``M < 3 b / 8`` (``r > 8 / 3``). E.g. ``b = 32``:
+``q8`` needs ``M <= 23`` to beat fp32 (``M = 24`` ties), ``q4`` ``M <= 27``. ``hgsgc plan`` says so in
+one line when the configured codecs send more than fp32 (:func:`hgsgc.plan.boundary_overhead`, from
+the measured activations, so it covers the ``sparse+`` bitmap too).
+
 **Sparse (``sparse+VALUES``): post-ReLU zeros.** Activations: a bitmap of the non-zero entries,
 ``ceil(r f / 8)`` bytes (row-major, numpy ``packbits`` bit order), then the ``nnz`` non-zero values
 encoded by ``VALUES`` (the quantizer's per-feature scales over each feature's non-zeros); zeros are
