@@ -174,7 +174,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         if path is not None:
             if not os.path.exists(path):
                 raise ConfigError(f"config file not found: {path} (see configs/*.yaml)")
-            parts.append(OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            if os.path.isfile(path) and not loaded:  # empty, or comments only: not a config
+                raise ConfigError(f"config file {path} is empty (no settings): a truncated copy? "
+                                  f"Re-copy it, or give a config from configs/*.yaml")
+            parts.append(loaded)
         for o in overrides or []:
             if "=" not in o:
                 raise ConfigError(f"override {o!r} is not key=value (e.g. train.epochs=3)")
@@ -246,6 +250,8 @@ def validate(cfg: Config) -> None:
             "must be >= 0 (0 = no clipping; the paper uses 2.5)")
     if c.selector not in ("exact", "sampled"):
         bad("compression.selector", c.selector, "use exact or sampled")
+    if not 0 <= cfg.run.seed < 2 ** 32:
+        bad("run.seed", cfg.run.seed, "must be an integer in 0..4294967295 (2**32 - 1), e.g. 42")
     if t.epochs < 1:
         bad("train.epochs", t.epochs, "must be >= 1")
     if t.batch_size < 1:

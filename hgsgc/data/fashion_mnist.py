@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ def read_idx(path: str) -> np.ndarray:
             data = np.frombuffer(f.read(), dtype=np.uint8)
     except FileNotFoundError:
         raise DataError(f"data file not found: {path}") from None
-    except (OSError, EOFError, struct.error) as exc:
+    except (OSError, EOFError, struct.error, zlib.error) as exc:  # zlib: a damaged .gz
         raise DataError(f"{path}: cannot read IDX data ({exc})") from None
     if data.size != int(np.prod(dims)):
         raise DataError(f"{path}: header says {dims} = {int(np.prod(dims))} bytes, file has {data.size}")
