@@ -241,6 +241,26 @@ class LanguageModelTask:
         t = self.cfg.train
         return self.data.dataset("train", rank, size, t.batch_size, self.cfg.data.bptt)
 
+    def check_eval(self, size):
+        """Raise the DataError evaluation would raise after the first epoch, before training:
+        each rank's contiguous part of valid and test must hold one evaluation batch of
+        ``bptt`` steps (with many ranks, or a small ``data.test_limit``, it may not)."""
+        from hgsgc.data import DataError
+        from hgsgc.data.ptb import FILES
+
+        t, d = self.cfg.train, self.cfg.data
+        b = t.eval_batch_size or t.batch_size
+        for split in ("valid", "test"):
+            n = len(self.data.ids[split])
+            if (n // size) // b - 1 < d.bptt:
+                key = "train.eval_batch_size" if t.eval_batch_size else "train.eval_batch_size (default train.batch_size)"
+                raise DataError(
+                    f"{os.path.join(data_path(self.cfg), FILES[split])}: {n} tokens"
+                    f"{' (data.test_limit)' if d.test_limit else ''} over {size} ranks are "
+                    f"{n // size} per rank, too few for one evaluation batch of {b} rows x "
+                    f"{d.bptt + 1} tokens: lower {key} or data.bptt"
+                    f"{', raise data.test_limit' if d.test_limit else ''}, or use fewer ranks")
+
     def start_epoch(self):
         self.state = None
 

@@ -105,6 +105,8 @@ def run_data_parallel(cfg, log=print) -> dict:
     if steps_per_epoch < 1:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} x {size} ranks exceeds the "
                          f"{task.n_train} training examples: lower train.batch_size")
+    if hasattr(task, "check_eval"):  # a split too short to evaluate fails now, not after an epoch
+        task.check_eval(size)
     if cfg.train.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps_per_epoch)
 

@@ -73,3 +73,55 @@ def test_damaged_gzip_idx_is_a_data_error_naming_the_file(tmp_path):
     f.write_bytes(bytes(z))
     with pytest.raises(DataError, match=f"{f}: cannot read IDX data \\(Error -3 while decompressing data"):
         read_idx(str(f))
+
+
+def _ptb_folder(tmp_path):
+    from hgsgc.data.ptb import write_ptb
+
+    words = [f"w{i % 37}" for i in range(3000)]
+    lines = [" ".join(words[i:i + 10]) for i in range(0, len(words), 10)]
+    write_ptb(str(tmp_path), {"train": lines, "valid": lines[:30], "test": lines[:30]})
+    return str(tmp_path)
+
+
+def test_ptb_eval_split_too_short_is_found_before_training(tmp_path):
+    """valid/test too short for one evaluation batch per rank (a small data.test_limit, or many
+    ranks: real PTB's 73,760 valid tokens over 128 ranks x 20 rows x 35 steps) trained the whole
+    first epoch, then every rank failed in the evaluation ('lower train.batch_size', which is not
+    the evaluation batch). LanguageModelTask.check_eval finds it from the token counts."""
+    from hgsgc.config import load_config
+    from hgsgc.data import DataError
+    from hgsgc.tasks import make_task
+
+    path = _ptb_folder(tmp_path)
+    base = ["data.format=ptb", f"data.path={path}", "model.name=lstm_small", "train.batch_size=4",
+            "data.bptt=5", "train.lr_decay_epochs=[]"]
+    task = make_task(load_config("configs/ptb_lstm/dense.yaml", base))
+    task.check_eval(4)  # 330 valid tokens / 4 = 82 per rank = 4 rows of 20 >= 5 + 1: fine
+    assert task.data.rows("valid", 0, 4, 4, 5)[1] == 3  # the evaluation agrees: batches at 4 ranks
+    with pytest.raises(DataError, match=r"ptb.valid.txt: 330 tokens over 16 ranks are 20 per rank, too few "
+                                        r"for one evaluation batch of 4 rows x 6 tokens: lower "
+                                        r"train.eval_batch_size \(default train.batch_size\) or data.bptt, "
+                                        r"or use fewer ranks"):
+        task.check_eval(16)
+    with pytest.raises(DataError):  # ... and none at 16
+        task.data.rows("valid", 0, 16, 4, 5)
+    t2 = make_task(load_config("configs/ptb_lstm/dense.yaml", base + ["data.test_limit=40",
+                                                                        "train.eval_batch_size=2"]))
+    with pytest.raises(DataError, match=r"ptb.valid.txt: 40 tokens \(data.test_limit\) over 4 ranks.*"
+                                        r"lower train.eval_batch_size or data.bptt, raise data.test_limit"):
+        t2.check_eval(4)
+
+
+@pytest.mark.mpi
+def test_ptb_eval_split_too_short_ends_job_before_the_first_step(tmp_path):
+    """2 ranks: one line for the job, and no rank trained a step (no epoch line, no checkpoint)."""
+    path = _ptb_folder(tmp_path / "ptb")
+    p = _hgsgc(["train", "configs/ptb_lstm/dense.yaml", f"data.path={path}", "train.batch_size=4",
+                "data.bptt=5", "data.test_limit=20", "train.epochs=1", "train.progress=false",
+                "train.threads=1", f"run.out_dir={tmp_path}", "run.id=r"], np_=2)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = _error_lines(p)
+    assert len(lines) == 1 and lines[0].startswith("hgsgc: error (all 2 ranks): DataError: ") \
+        and "ptb.valid.txt: 20 tokens (data.test_limit) over 2 ranks" in lines[0], p.stderr[-2000:]
+    assert "epoch 1/" not in p.stdout and not (tmp_path / "r" / "checkpoints").exists()
