@@ -226,7 +226,30 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"cannot read {mpath}: {exc}") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not an {FORMAT} manifest")
+    why = _malformed(man)
+    if why:  # hand-edited, or written by another tool: a KeyError on rank 0 alone before
+        raise CheckpointError(f"{mpath} is damaged ({why}): not a manifest hgsgc wrote; remove "
+                              f"the folder {path} or resume from another checkpoint")
     return man
+
+
+def _malformed(man: dict) -> Optional[str]:
+    """What is wrong with a manifest's structure (``files``, ``step``, ``world_size``, ``run``),
+    or None."""
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    files = man.get("files")
+    if not isinstance(files, dict) or not files:
+        return "'files' is not a non-empty mapping of file name to bytes and sha256"
+    for name, info in files.items():
+        if not (isinstance(info, dict) and count(info.get("bytes")) and isinstance(info.get("sha256"), str)):
+            return f"'files' entry {name!r} lacks its byte count or sha256"
+    if not count(man.get("step")) or not count(man.get("world_size")) or man["world_size"] < 1:
+        return "'step' or 'world_size' is not a count"
+    if not isinstance(man.get("run", {}), dict):
+        return "'run' is not a mapping"
+    return None
 
 
 def verify(path: str, manifest: Optional[dict] = None, hashes: bool = False) -> dict:
@@ -541,13 +564,74 @@ def load_rank(path: str, manifest: dict, rank: int):
     return tree_from_bytes(data, fp)
 
 
+def check_folder(directory: str, comm=None):
+    """Collective, before training: every rank can write into ``directory`` and sees the same
+    folder as rank 0 (one shared file system). A checkpoint folder that is a file, unwritable, or
+    node-local (``/tmp`` on each host) used to fail only at the first checkpoint, by default the
+    one after the last step, losing the run's summary; a node-local folder that happened to
+    exist on every host gave checkpoints whose other ranks' files rank 0 never sees, so
+    ``resume: auto`` skipped them and started afresh.
+
+    Creates ``directory`` (rank 0) and leaves no file behind; an empty folder this call created
+    is removed again.
+
+    Raises:
+        CheckpointError: on every rank alike, naming the rank, the folder and the fix.
+    """
+    import secrets
+
+    comm = _comm(comm)
+    rank = comm.Get_rank()
+    fix = "Fix: point checkpoint.dir at a writable folder on a file system every rank shares"
+    created, err, token = False, None, None
+    if rank == 0:
+        try:
+            if not os.path.isdir(directory):
+                os.makedirs(directory)
+                created = True
+            token = secrets.token_hex(8)
+            with open(os.path.join(directory, f".probe-{token}-rank-00000"), "wb"):
+                pass
+        except OSError as exc:
+            err = (f"cannot write into checkpoint.dir {directory} ({exc.strerror or exc}, errno "
+                   f"{exc.errno}). {fix}")
+    token = comm.bcast(token, root=0)
+    _agree(comm, err, "checking the checkpoint folder")
+    mine = os.path.join(directory, f".probe-{token}-{rank_file(rank)[:-4]}")
+    if rank != 0:
+        if not os.path.exists(os.path.join(directory, f".probe-{token}-rank-00000")):
+            err = (f"checkpoint.dir {directory} is not the folder rank 0 writes into (rank 0's "
+                   f"file is not there: a node-local path such as /tmp, or a relative path from "
+                   f"another working directory); the ranks' checkpoints could never be resumed. {fix}")
+        else:
+            try:
+                with open(mine, "wb"):
+                    pass
+            except OSError as exc:
+                err = (f"cannot write into checkpoint.dir {directory} ({exc.strerror or exc}, "
+                       f"errno {exc.errno}). {fix}")
+    try:
+        _agree(comm, err, "checking the checkpoint folder")
+    finally:
+        try:
+            os.unlink(mine)
+        except OSError:
+            pass
+        comm.allgather(None)  # every rank removed its probe before rank 0 removes the folder
+        if rank == 0 and created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+
+
 def agree_on_error(comm, exc: Optional[BaseException], what: str):
     """Collective: if any rank's ``exc`` is set, every rank raises the same CheckpointError."""
     _agree(_comm(comm), None if exc is None else f"{type(exc).__name__}: {exc}", what)
 
 
 __all__ = ["CheckpointError", "CheckpointMismatch", "FORMAT", "atomic_write", "check_compatible",
-           "describe_differences", "latest", "list_checkpoints", "load_rank", "read_manifest",
+           "describe_differences", "check_folder", "latest", "list_checkpoints", "load_rank", "read_manifest",
            "resolve", "save", "step_dir", "tree_from_bytes", "tree_to_bytes", "verify",
            "agree_on_error"]
 
@@ -681,6 +765,7 @@ class Checkpointer:
         Raises:
             CheckpointMismatch / CheckpointError: on every rank alike.
         """
+        check_folder(self.dir, self.comm)
         found = resolve(self.dir, self.s.resume, self.identity, self.comm)
         if found is None:
             return None

@@ -125,3 +125,89 @@ def test_ptb_eval_split_too_short_ends_job_before_the_first_step(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hgsgc: error (all 2 ranks): DataError: ") \
         and "ptb.valid.txt: 20 tokens (data.test_limit) over 2 ranks" in lines[0], p.stderr[-2000:]
     assert "epoch 1/" not in p.stdout and not (tmp_path / "r" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ checkpoints
+def _ckpt(d, step=3):
+    from hgsgc import checkpoint as ckpt
+
+    return ckpt.save(str(d), step, {"w": np.arange(3.0)}, {"world_size": 1, "model": "tiny"})
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda m: m.pop("files"), "'files' is not a non-empty mapping"),
+    (lambda m: m.update(files=[]), "'files' is not a non-empty mapping"),
+    (lambda m: m["files"]["rank-00000.npz"].pop("sha256"), "'files' entry 'rank-00000.npz' lacks"),
+    (lambda m: m.update(world_size="2"), "'step' or 'world_size' is not a count"),
+    (lambda m: m.update(run=[1]), "'run' is not a mapping"),
+])
+def test_damaged_manifest_is_skipped_by_auto_and_named_when_explicit(tmp_path, edit, why):
+    """A manifest with hgsgc's format tag but a missing or mistyped field (hand-edited, or
+    another tool's) made resolve() raise KeyError / AttributeError on rank 0 alone ('hgsgc:
+    error on rank 0: KeyError: 'files'', the job aborted): resume=auto now skips it like an
+    incomplete checkpoint and resumes the previous one; an explicit path names the manifest."""
+    from hgsgc import checkpoint as ckpt
+
+    run = {"world_size": 1, "model": "tiny"}
+    good = _ckpt(tmp_path, 3)
+    bad = _ckpt(tmp_path, 5)
+    mpath = os.path.join(bad, "manifest.json")
+    man = json.load(open(mpath))
+    edit(man)
+    with open(mpath, "w") as f:
+        json.dump(man, f)
+    assert ckpt.latest(str(tmp_path)) == good
+    assert ckpt.resolve(str(tmp_path), "auto", run)[0] == good
+    with pytest.raises(ckpt.CheckpointError, match=f"{mpath} is damaged \\({why}.*remove the folder {bad}"):
+        ckpt.resolve(str(tmp_path), bad, run)
+
+
+def test_checkpoint_folder_is_checked_before_training(tmp_path):
+    """checkpoint.dir pointing at a file (or an unwritable folder) failed only at the first
+    checkpoint, by default the one after the last step: the whole run trained, then ended with
+    a CheckpointError and no summary.json. check_folder (Checkpointer.resume, before the first
+    step) names it; a good folder keeps no probe file, and one it created is removed again."""
+    from hgsgc import checkpoint as ckpt
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ckpt.CheckpointError, match=f"cannot write into checkpoint.dir {f}/ck .*Fix: point "
+                                                   "checkpoint.dir at a writable folder") as ei:
+        ckpt.check_folder(str(f / "ck"))
+    assert ei.value.all_ranks
+    ckpt.check_folder(str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    good = _ckpt(tmp_path / "old")
+    ckpt.check_folder(str(tmp_path / "old"))
+    assert sorted(os.listdir(tmp_path / "old")) == [os.path.basename(good)]
+
+    p = _hgsgc(["train", "configs/fashion_mnist_dense.yaml"] + TINY
+               + [f"run.out_dir={tmp_path}", "run.id=r", f"checkpoint.dir={f}"], timeout=180)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = _error_lines(p)
+    assert len(lines) == 1 and f"CheckpointError: checking the checkpoint folder failed on rank 0: " \
+                               f"cannot write into checkpoint.dir {f}" in lines[0], p.stderr[-2000:]
+    assert "epoch 1/" not in p.stdout
+
+
+@pytest.mark.mpi
+def test_checkpoint_folder_not_shared_by_the_ranks_ends_job_before_training(tmp_path):
+    """A relative (or node-local, e.g. /tmp on each host) checkpoint.dir: each rank wrote into its
+    own folder; the first save failed on rank 1 (its step folder missing) after the run had
+    trained, and where the folder existed everywhere the checkpoints were written but rank 0
+    never saw the other ranks' files, so resume: auto skipped them and started afresh. Two ranks
+    started from different working directories (mpirun's MPMD form) stand in for two hosts."""
+    a, b = tmp_path / "host_a", tmp_path / "host_b"
+    for d in (a, b):
+        (d / "ck").mkdir(parents=True)  # the node-local folder exists on both "hosts"
+    args = ([PY, "-m", "hgsgc.cli", "train", os.path.join(ROOT, "configs/fashion_mnist_dense.yaml")] + TINY
+            + [f"run.out_dir={tmp_path}/runs", "run.id=r", "checkpoint.dir=ck"])
+    cmd = (MPIRUN + ["-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "-np", "1", "--wdir", str(a)] + args
+           + [":", "-np", "1", "--wdir", str(b)] + args)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = _error_lines(p)
+    assert len(lines) == 1 and "CheckpointError: checking the checkpoint folder failed on rank 1: " \
+                               "checkpoint.dir ck is not the folder rank 0 writes into" in lines[0], p.stderr[-2000:]
+    assert "epoch 1/" not in p.stdout
+    assert os.listdir(a / "ck") == [] and os.listdir(b / "ck") == []  # no probe left behind
