@@ -17,7 +17,8 @@ at ``B``, it predicts with :mod:`hgsgc.perfmodel` (the one model of the project)
   :func:`hgsgc.hourglass.costmodel.boundary_bytes`; the boundary message's software cost by
   :func:`hgsgc.hourglass.costmodel.probe_boundary` as a loopback on ``MPI.COMM_SELF``), with the
   link of the plan instead of a probe and no CPU share (one rank per host). The best ``F`` comes
-  from :func:`best_fc_workers`, the exhaustive scan that skips candidates a bound excludes.
+  from :func:`best_fc_workers_fast`: the exhaustive scan that skips candidates a bound excludes,
+  with the bounds in numpy (the answer of :func:`best_fc_workers` and of the exhaustive scan).
 
 The Hourglass trains ``C b`` examples per step (``C = N - F`` CONV ranks), data parallelism
 ``N b``, so rows are ranked by the predicted seconds per ``N b`` examples (for data parallelism:
@@ -86,13 +87,14 @@ def hourglass_row(inp: pm.LayoutInputs, fc_workers: int, method: str) -> dict:
             "examples_per_step": h["examples_per_step"], "prediction": h}
 
 
-def fc_workers_to_list(inputs_at, nodes: int) -> List[int]:
+def fc_workers_to_list(inputs_at, nodes: int, best_f: Optional[int] = None) -> List[int]:
     """``PLAN_FC_WORKERS`` within ``1 .. N/2``, plus the best ``F`` over ``1 .. N/2`` by
     :func:`hgsgc.perfmodel.predict_hourglass` ``(inputs_at(F), F)`` (highest throughput, ties to
     fewer FC ranks, as :func:`hgsgc.perfmodel.choose_layout`) when it is not among them; the best
-    ``F`` is :func:`best_fc_workers`, the exhaustive scan with provably idle candidates skipped."""
+    ``F`` is ``best_f`` when given (``hgsgc plan``: :func:`best_fc_workers_fast`), else
+    :func:`best_fc_workers`, the exhaustive scan with provably idle candidates skipped."""
     fcs = [F for F in PLAN_FC_WORKERS if F <= nodes // 2]
-    best = best_fc_workers(inputs_at, nodes)
+    best = best_fc_workers(inputs_at, nodes) if best_f is None else best_f
     if best is not None and best not in fcs:
         fcs.append(best)
     return fcs
@@ -164,6 +166,204 @@ def best_fc_workers(inputs_at, nodes: int, exhaustive: bool = False, stats: Opti
     if stats is not None:
         stats.update(st)
     return best["fc_workers"] if best is not None else None
+
+
+#: Ranks from which Open MPI's fixed decision no longer depends on the communicator size:
+#: :func:`hgsgc.costs.ompi_allreduce_algorithm`'s last band starts at 4096 ranks,
+#: :func:`hgsgc.costs.ompi_allgatherv_algorithm`'s at 1024 (tested: the choice at 4096 ranks is
+#: the choice at every larger size). :func:`role_post_s` evaluates exchanges among this many
+#: ranks or more with numpy, smaller ones with :func:`hgsgc.perfmodel.role_exchange`.
+VECTOR_FROM_RANKS = 4096
+
+#: F candidates per numpy chunk of :func:`best_fc_workers_fast` (bounds memory: a few arrays of
+#: this many float64 values).
+SCAN_CHUNK = 1 << 20
+
+
+def _bit_length(k):
+    """``int.bit_length`` of each element of the int64 array ``k`` (exact below 2^53: frexp's exponent)."""
+    import numpy as np
+
+    return np.frexp(k.astype(np.float64))[1].astype(np.int64)
+
+
+def _ompi_cost_array(collective: str, k, nbytes: float):
+    """:func:`hgsgc.costs.ompi_collective_cost` ``(collective, k, nbytes)`` for an int64 array ``k``
+    of sizes ``>= VECTOR_FROM_RANKS`` (one algorithm for all of them): ``(messages, bytes,
+    pairwise)`` arrays with the same expressions in the same order (so the same float64 values)."""
+    import numpy as np
+
+    from hgsgc import costs
+
+    B = float(nbytes)
+    L = _bit_length(k) - 1
+    p = np.left_shift(np.int64(1), L)
+    x = (p != k).astype(np.int64)
+    lg = _bit_length(k - 1)
+    false = np.zeros(k.shape, bool)
+    if collective == "allreduce":
+        alg = costs.ompi_allreduce_algorithm(VECTOR_FROM_RANKS, B)
+        if alg in ("ring", "segmented_ring"):
+            return 2 * (k - 1), 2 * (k - 1) / k * B, false
+        if alg == "rabenseifner":
+            return 2 * L + 2 * x, 2 * (p - 1) / p * B + x * B, ~false
+        if alg == "recursive_doubling":
+            return L + 2 * x, (L + x) * B, ~false
+        if alg == "nonoverlapping":
+            return 2 * lg, 2 * lg * B, false
+        return 2 * (k - 1), (k - 1) * B, false   # basic_linear
+    alg = costs.ompi_allgatherv_algorithm(VECTOR_FROM_RANKS, B)
+    odd = (k % 2).astype(bool)
+    if alg == "neighbor":   # Open MPI falls back to the ring for an odd communicator
+        return np.where(odd, k - 1, k // 2), (k - 1) * B, ~odd
+    if alg == "ring":
+        return k - 1, (k - 1) * B, false
+    if alg == "bruck":
+        return lg, (k - 1) * B, false
+    if alg == "two_proc":
+        return np.ones_like(k), np.full(k.shape, B), ~false
+    return (k - 1) + lg, (k - 1) * B + lg * k * B, false   # default: gatherv + broadcast
+
+
+def role_post_s(inp: pm.LayoutInputs, ks, payload: float, algorithm: str, delay: int, cost: dict,
+                t_update: float):
+    """Seconds a role spends after its last pipeline task when it has ``k`` ranks, for each ``k``
+    of ``ks``: ``t_update + compression + wire + coordination`` of :func:`hgsgc.perfmodel.role_exchange`
+    ``(inp, k, payload, algorithm, delay, compression_at(cost, k, algorithm))`` (each term divided by
+    the delay ``H``, as :func:`hgsgc.perfmodel.predict_step` charges it)::
+
+        post(k) = t_update + (base_s + merges(k) per_payload_s) / H + exchange_s(k) / H
+                  + (cycle_s / 2 + m_neg(k) alpha) / H
+
+    with ``merges`` :func:`hgsgc.costs.exchange_merges`, ``exchange_s``
+    :func:`hgsgc.perfmodel.exchange_s` on ``inp.link`` (no token bucket) and ``m_neg`` the
+    messages of Horovod's 136-byte negotiation allreduce. Sizes ``k >= VECTOR_FROM_RANKS`` are
+    evaluated with numpy by the same expressions (Open MPI's choice is fixed there), smaller ones
+    (and ``k <= 1``: 0 besides ``t_update``) by ``role_exchange`` itself; the two agree exactly
+    (tests/test_plan_fast_search.py).
+
+    Args:
+        inp: the layout inputs (link, cycle); ks: int array of rank counts; payload: bytes of one
+            exchange per rank; algorithm: ``ring`` | ``allgather`` | ``tree`` | ``node``;
+            cost: :func:`hgsgc.perfmodel.measure_compression_s`'s ``{"base_s", "per_payload_s"}``.
+
+    Returns:
+        float64 array, seconds, shaped like ``ks``.
+
+    Raises:
+        ValueError: an unknown ``algorithm``.
+    """
+    import numpy as np
+
+    from hgsgc import costs
+
+    if algorithm not in costs.ALGORITHMS:
+        raise ValueError(f"unknown exchange algorithm {algorithm!r}: use one of {', '.join(costs.ALGORITHMS)}")
+    ks = np.asarray(ks, dtype=np.int64)
+    out = np.empty(ks.shape, np.float64)
+    small = ks < VECTOR_FROM_RANKS
+    for i in np.flatnonzero(small):
+        k = int(ks[i])
+        ex = pm.role_exchange(inp, k, payload, algorithm, delay, pm.compression_at(cost, k, algorithm))
+        out[i] = t_update + ex["compression_s"] + ex["wire_s"] + ex["coordination_s"]
+    k = ks[~small]
+    if k.size:
+        h = max(1, int(delay))
+        link = inp.link
+        lg = _bit_length(k - 1)
+        if algorithm in ("tree", "node"):   # perfmodel.exchange_s without hosts: the tree
+            L = _bit_length(k) - 1
+            nbytes = (L + np.where(k > np.left_shift(np.int64(1), L), 2, 0)) * payload
+            msgs = lg + (k & (k - 1) != 0)          # tree_rounds: ceil(log2 k) + [k not a power of 2]
+            wire = msgs * link.alpha_s + nbytes / (link.beta_Bps * link.bidir_factor)
+            merges = lg
+        else:
+            msgs, nbytes, pw = _ompi_cost_array("allreduce" if algorithm == "ring" else "allgatherv", k, payload)
+            wire = msgs * link.alpha_s + nbytes / np.where(pw, link.beta_Bps * link.bidir_factor, link.beta_Bps * 1.0)
+            merges = k - 1
+        neg, _, _ = _ompi_cost_array("allreduce", k, pm.NEGOTIATION_BYTES)
+        comp = cost["base_s"] + merges * cost["per_payload_s"]
+        coord = 1 * (inp.cycle_s / 2.0 + neg * link.alpha_s)
+        out[~small] = t_update + comp / h + wire / h + coord / h
+    return out
+
+
+def best_fc_workers_fast(inp: pm.LayoutInputs, nodes: int, conv_cost: dict, fc_cost: dict,
+                         stats: Optional[dict] = None) -> Optional[int]:
+    """:func:`best_fc_workers` ``(F -> with_role_compression(inp, F, conv_cost, fc_cost), nodes)``:
+    the same answer (the exhaustive scan's), with the bounds in numpy (``hgsgc plan --nodes
+    10000000`` spent 259 s building inputs and exchanges for each of the 5,000,000 ``F``).
+
+    The same scan over ``F = 1 .. floor(N/2)`` and the same rule (a candidate replaces the best
+    only when its throughput exceeds the best's by a factor ``1 + 1e-9``); a candidate is
+    predicted (:func:`hgsgc.perfmodel.predict_hourglass`) only when its upper bound
+    ``C b / L(F)`` exceeds the current best, with::
+
+        L(F) = max(conv_done_m + post_conv(N - F), fc_done_m + post_fc(F)) (1 - BOUND_MARGIN)
+
+    (:func:`role_post_s` for all ``F`` of a chunk at once; ``conv_done_m``, ``fc_done_m``: the
+    boundary pipeline without updates or exchanges, simulated once per ``m = ceil((N - F) / F)``,
+    and only for the ``m`` whose ``F`` pass the bound with ``conv_done = fc_done = 0`` against the
+    best after ``F = 1``; the best only grows, so no candidate that could replace it is skipped).
+    With a CPU share (``inp.machine_of``) every ``F`` is predicted, as in :func:`best_fc_workers`.
+
+    Args:
+        inp: the Hourglass inputs of ``N`` ranks; nodes: ``N``; conv_cost, fc_cost: measured
+            compression costs of the CONV / FC exchanges (:func:`hgsgc.perfmodel.with_role_compression`);
+            stats: optional dict, filled with ``{"predicted", "bounds" (schedules simulated for
+            bounds), "candidates": N // 2}``.
+
+    Returns:
+        The best ``F``, or None when ``N < 2``.
+    """
+    import numpy as np
+
+    nodes = int(nodes)
+    top = nodes // 2
+    at = lambda F: pm.with_role_compression(inp, F, conv_cost, fc_cost)  # noqa: E731
+    if top < 1 or inp.machine_of:
+        return best_fc_workers(at, nodes, exhaustive=True, stats=stats)
+    st = {"predicted": 1, "bounds": 0, "candidates": top}
+    best = pm.predict_hourglass(at(1), 1)
+    b = inp.batch_size
+    done_at = {}   # m -> (conv_done_m, fc_done_m), as best_fc_workers
+    thr0 = best["throughput"] * (1 + 1e-9)
+    for lo in range(2, top + 1, SCAN_CHUNK):
+        Fs = np.arange(lo, min(top, lo + SCAN_CHUNK - 1) + 1, dtype=np.int64)
+        C = nodes - Fs
+        post_c = role_post_s(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, conv_cost, inp.t_update_conv)
+        post_f = role_post_s(inp, Fs, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, fc_cost, inp.t_update_fc)
+        low0 = np.maximum(post_c, post_f) * (1.0 - BOUND_MARGIN)
+        with np.errstate(divide="ignore"):
+            keep = ~((low0 > 0) & (C * b / np.where(low0 > 0, low0, 1.0) <= thr0))
+        idx = np.flatnonzero(keep)
+        if not idx.size:
+            continue
+        m = -(-C[idx] // Fs[idx])
+        starts = np.flatnonzero(np.r_[True, m[1:] != m[:-1]])
+        for g, s0 in enumerate(starts):
+            sel = idx[s0:starts[g + 1] if g + 1 < len(starts) else len(idx)]
+            mg = int(m[s0])
+            if mg not in done_at:
+                F0 = int(Fs[sel[0]])
+                sch = pm.pipeline_schedule(pm.pipeline_stages(at(F0)), F0)
+                done_at[mg] = (sch["conv_done_s"], sch["fc_done_s"])
+                st["bounds"] += 1
+            dc, df = done_at[mg]
+            low = np.maximum(dc + post_c[sel], df + post_f[sel]) * (1.0 - BOUND_MARGIN)
+            with np.errstate(divide="ignore"):
+                ub = np.where(low > 0, C[sel] * b / np.where(low > 0, low, 1.0), np.inf)
+            for j in np.flatnonzero(ub > best["throughput"] * (1 + 1e-9)):
+                if not ub[j] > best["throughput"] * (1 + 1e-9):   # the best grew within the group
+                    continue
+                F = int(Fs[sel[j]])
+                p = pm.predict_hourglass(at(F), F)
+                st["predicted"] += 1
+                if p["throughput"] > best["throughput"] * (1 + 1e-9):
+                    best = p
+    if stats is not None:
+        stats.update(st)
+    return best["fc_workers"]
 
 
 def boundary_overhead(act_codec, grad_codec, nonzero, micro_batches: int) -> dict:
@@ -374,7 +574,8 @@ def plan(cfg, nodes: int, bandwidth, compute_s: Optional[float] = None, reps: in
                                  costs_by_label["config"], log)
     if inp is not None:
         at = lambda F: pm.with_role_compression(inp, F, info["conv_compression_cost"], info["fc_compression_cost"])  # noqa: E731
-        for F in fc_workers_to_list(at, int(nodes)):
+        best_f = best_fc_workers_fast(inp, int(nodes), info["conv_compression_cost"], info["fc_compression_cost"])
+        for F in fc_workers_to_list(at, int(nodes), best_f):
             rows.append(hourglass_row(at(F), F, _method_name(cfg)))
     inputs = {"config": cfg.model.name, "batch_size": cfg.train.batch_size, "nodes": int(nodes),
               "bandwidth_bit_s": pm.parse_rate(bandwidth), "alpha_s": link.alpha_s,
