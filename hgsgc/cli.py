@@ -46,6 +46,16 @@ def run_guarded(fn, *args, **kwargs):
 
 
 def cmd_train(args) -> int:
+    from hgsgc.faults import catch_early_signals, release_early_signals
+
+    catch_early_signals()  # a preemption signal during start-up: checkpoint after a step, exit 75
+    try:
+        return _train(args)
+    finally:
+        release_early_signals()
+
+
+def _train(args) -> int:
     from hgsgc.config import ConfigError, load_config
     from hgsgc.faults import error_comm, one_line
 

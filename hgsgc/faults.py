@@ -43,6 +43,42 @@ class Preempted(SystemExit):
         self.step, self.signame, self.path = step, signame, path
 
 
+#: a signal caught by :func:`catch_early_signals` before a :class:`StepAgreement` existed
+_EARLY = {"signum": 0, "old": {}}
+
+
+def catch_early_signals():
+    """Record SIGTERM / SIGUSR1 from now on, before a runner's :class:`StepAgreement` exists.
+
+    ``hgsgc train`` calls it first: start-up (TensorFlow's import, the config, the data check,
+    ``layout: auto``'s measurements; minutes for a large JPEG tree) ran with the default
+    handlers, so a preemption signal then killed the rank (mpirun exit 138 / 143, which the Slurm
+    template does not requeue). The first agreement takes the recorded signal, so every rank
+    checkpoints after the first step and exits 75 (:func:`release_early_signals` restores the
+    previous handlers).
+    """
+    def handler(signum, frame):
+        _EARLY["signum"] = max(_EARLY["signum"], int(signum))
+
+    for name in SIGNALS:
+        sig = getattr(signal, name)
+        try:
+            old = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            continue
+        _EARLY["old"].setdefault(sig, old)
+
+
+def release_early_signals():
+    """Undo :func:`catch_early_signals` (the handlers before it; a pending signal is dropped)."""
+    for sig, old in _EARLY["old"].items():
+        try:
+            signal.signal(sig, old)
+        except (ValueError, TypeError):
+            pass
+    _EARLY["old"], _EARLY["signum"] = {}, 0
+
+
 class StepAgreement:
     """Signal flags and timed checkpoints agreed among all ranks after each step.
 
@@ -64,6 +100,9 @@ class StepAgreement:
         self._recv = np.zeros(2, np.int32)
         self._old = {}
         self.signal_received = 0
+        if install and _EARLY["signum"]:  # a signal during start-up (catch_early_signals)
+            self.flags[FLAG_SIGNAL] = self.signal_received = _EARLY["signum"]
+            _EARLY["signum"] = 0
         if install:
             for name in SIGNALS:
                 sig = getattr(signal, name)

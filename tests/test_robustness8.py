@@ -211,3 +211,47 @@ def test_checkpoint_folder_not_shared_by_the_ranks_ends_job_before_training(tmp_
                                "checkpoint.dir ck is not the folder rank 0 writes into" in lines[0], p.stderr[-2000:]
     assert "epoch 1/" not in p.stdout
     assert os.listdir(a / "ck") == [] and os.listdir(b / "ck") == []  # no probe left behind
+
+
+# ------------------------------------------------------------------ preemption
+def test_signal_before_the_agreement_exists_is_taken_by_the_first_agreement():
+    """One process: a signal recorded by catch_early_signals reaches the first StepAgreement
+    (once); release_early_signals restores the handlers that were there before."""
+    import signal
+
+    from hgsgc.faults import StepAgreement, catch_early_signals, release_early_signals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    catch_early_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        a = StepAgreement(None)
+        assert a.after_step() == ("SIGUSR1", False)
+        a.close()
+        assert StepAgreement(None, install=True).after_step() == (None, False)  # taken once
+    finally:
+        release_early_signals()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,target,sig", [(2, 0, "SIGUSR1"), (3, 2, "SIGTERM")])
+def test_signal_during_start_up_checkpoints_after_the_first_step_and_exits_75(tmp_path, np_, target, sig):
+    """SIGUSR1 / SIGTERM before the runner installed its handlers (imports, config, data check,
+    layout measurement: minutes for a large JPEG tree) killed the rank by the signal: mpirun
+    exited 138 / 143, which scripts/slurm/launch.sh does not requeue. hgsgc train now records
+    such a signal from its first line; the first step's agreement carries it (its result is read
+    one step later, as for any signal): every rank writes the checkpoint of step 2 and exits 75;
+    the same command again resumes from it."""
+    from hgsgc import checkpoint as ckpt
+
+    args = (["configs/fashion_mnist_dense.yaml"] + TINY
+            + ["train.max_steps_per_epoch=3", f"run.out_dir={tmp_path}", "run.id=s"])
+    cmd = (MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", PY,
+                     "tests/mpi/signal_during_startup.py", str(target), sig] + args)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert p.returncode == 75, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"hgsgc: {sig} received: checkpoint of step 2 written to" in p.stdout, p.stdout[-2000:]
+    assert ckpt.latest(str(tmp_path / "s" / "checkpoints")).endswith("step-00000002")
+    q = _hgsgc(["train"] + args, np_=np_)
+    assert q.returncode == 0 and "(step 2)" in q.stdout and "epoch 1/1" in q.stdout, q.stdout[-2000:] + q.stderr[-2000:]
