@@ -877,6 +877,14 @@ def traffic(compression, shapes: Sequence[Sequence[int]]) -> Traffic:
     fp32, 2 fp16; top-k / SGC / DGC: its ``hierarchy``; EF-SignSGD: allgather); the delay is
     ``setting.delay``. The bytes always sum to ``setting.payload_bytes(shapes)``.
 
+    ``compression.buckets = B`` (session 8): the sparse allgather is issued as the ``B`` (at most)
+    allgathers of :func:`allgather_buckets`, so :func:`predict_step` charges each its own
+    coordination (:func:`coordination_s`: half a cycle + the negotiation allreduce) and its own
+    collective (:func:`exchange_s`: Open MPI's algorithm for that bucket's size, ``messages *
+    alpha`` + its bytes): the fixed per-collective costs ``B`` times, the same payload bytes. The
+    overlap of the first buckets with the rest of the backward pass, which is what buckets are
+    for, is NOT modelled (measured: it gained nothing on the emulator, docs/benchmarks.md).
+
     Raises:
         TypeError: not a compression setting (:func:`hgsgc.compression.as_compression`).
     """
@@ -886,7 +894,39 @@ def traffic(compression, shapes: Sequence[Sequence[int]]) -> Traffic:
     shapes = [tuple(int(x) for x in s) for s in shapes]
     several = getattr(comp, "collectives", None)
     colls = several(shapes) if several is not None else ((comp.algorithm, comp.payload_bytes(shapes)),)
+    groups = allgather_buckets(comp, shapes)
+    if len(groups) > 1:  # compression.buckets: the one allgather entry becomes one per bucket
+        colls = tuple(c for c in colls if c[0] != "allgather") + tuple(("allgather", g) for g in groups)
     return Traffic(tuple((str(a), int(b)) for a, b in colls), int(comp.delay))
+
+
+def allgather_buckets(compression, shapes: Sequence[Sequence[int]]) -> Tuple[int, ...]:
+    """Payload bytes of each allgather one exchange of float32 tensors of ``shapes`` issues under
+    ``compression.buckets = B`` (top-k / SGC / DGC with ``hierarchy: allgather``), in issue order.
+
+    As :class:`hgsgc.compression.reducers.Allgather` cuts them: the tensors that go to the sparse
+    collective (not ``dense_vectors``' rank < 2 ones, not empty), each of
+    ``codec.payload_length(numel)`` bytes, grouped by
+    :func:`hgsgc.compression.reducers.bucket_indices` ``(sizes, B)`` (last tensors first, at most
+    ``B`` groups; the count ``hgsgc.communicator.Exchanger`` charges). The groups sum to the
+    sparse payload: bucketing moves the same bytes in more collectives.
+
+    Returns:
+        ``()`` for a setting without buckets (dense, PowerSGD, TernGrad, tree / node) or
+        ``B = 1``; else one size per allgather (bytes, ints), possibly fewer than ``B``.
+    """
+    from hgsgc.compression import as_compression
+
+    comp = as_compression(compression)
+    B = int(getattr(comp, "buckets", 1) or 1)
+    if B <= 1 or getattr(comp, "algorithm", None) != "allgather" or not hasattr(comp, "dense_shape"):
+        return ()
+    from hgsgc.compression.reducers import bucket_indices
+
+    codec = comp.codec()
+    numels = [int(math.prod(int(d) for d in s)) for s in shapes if not comp.dense_shape(s)]
+    sizes = [int(codec.payload_length(m)) for m in numels if m > 0]
+    return tuple(sum(sizes[i] for i in g) for g in bucket_indices(sizes, B))
 
 
 def _period_values(compute: Sequence[float], compression: Optional[Sequence[float]], h: int):
