@@ -290,13 +290,16 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-def latest(directory: str) -> Optional[str]:
-    """The newest COMPLETE checkpoint folder in ``directory`` (None if there is none).
+def latest(directory: str, below: Optional[int] = None) -> Optional[str]:
+    """The newest COMPLETE checkpoint folder in ``directory`` (None if there is none), of a step
+    below ``below`` if given.
 
     Folders without a manifest, or whose files do not match it, are skipped: a write killed
     half-way never hides the previous checkpoint.
     """
-    for _, path in list_checkpoints(directory):
+    for step, path in list_checkpoints(directory):
+        if below is not None and step >= below:
+            continue
         try:
             verify(path)
         except CheckpointError:
@@ -501,7 +504,8 @@ def _prune(directory, keep, newest_step):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve(directory: str, resume: str, run: dict, comm=None) -> Optional[Tuple[str, dict]]:
+def resolve(directory: str, resume: str, run: dict, comm=None,
+            below: Optional[int] = None) -> Optional[Tuple[str, dict]]:
     """Which checkpoint to resume from (rank 0 decides; every rank gets the same answer).
 
     Args:
@@ -523,7 +527,7 @@ def resolve(directory: str, resume: str, run: dict, comm=None) -> Optional[Tuple
             if resume == "never":
                 answer = ("none", None, None)
             else:
-                path = latest(directory) if resume == "auto" else resume
+                path = latest(directory, below) if resume == "auto" else resume
                 if path is None:
                     answer = ("none", None, None)
                 else:
@@ -767,18 +771,36 @@ class Checkpointer:
         """
         check_folder(self.dir, self.comm)
         found = resolve(self.dir, self.s.resume, self.identity, self.comm)
-        if found is None:
-            return None
-        path, man = found
-        state, err = None, None
-        try:
-            state = load_rank(path, man, self.rank)
-        except CheckpointError as exc:
-            err = exc
-        agree_on_error(self.comm, err, f"resume from {path}")
-        if self.rank == 0:
-            self.log(f"hgsgc: resuming from {path} (step {man['step']})")
-        return state
+        while found is not None:
+            path, man = found
+            state, err = None, None
+            try:
+                state = load_rank(path, man, self.rank)
+            except CheckpointError as exc:
+                err = str(exc)
+            bad = [(r, e) for r, e in enumerate(_comm(self.comm).allgather(err)) if e]
+            if not bad:
+                if self.rank == 0:
+                    self.log(f"hgsgc: resuming from {path} (step {man['step']})")
+                return state
+            # a rank's file is damaged (SHA-256, unreadable): resume: auto takes the newest
+            # complete checkpoint before it, as it skips incomplete ones; otherwise stop
+            r, e = bad[0]
+            older = (resolve(self.dir, "auto", self.identity, self.comm, below=int(man["step"]))
+                     if self.s.resume == "auto" else None)
+            if older is None:
+                more = f" (and {len(bad) - 1} other rank(s))" if len(bad) > 1 else ""
+                err = CheckpointError(f"resume from {path} failed on rank {r}{more}: {e}. Fix: delete the "
+                                      f"folder {path} and resume with checkpoint.resume=auto (the newest "
+                                      f"complete checkpoint before it), or start afresh with "
+                                      f"checkpoint.resume=never")
+                err.all_ranks = True
+                raise err
+            if self.rank == 0:
+                what = e.replace(f"checkpoint {path}: ", "").replace(" (damaged)", "")
+                self.log(f"hgsgc: checkpoint {path} is damaged ({what} on rank {r}): resuming from an older one")
+            found = older
+        return None
 
     def restore(self, fn, what="checkpoint"):
         """Run ``fn()`` (assigning the loaded state) on every rank; if it fails on any rank,

@@ -255,3 +255,66 @@ def test_signal_during_start_up_checkpoints_after_the_first_step_and_exits_75(tm
     assert ckpt.latest(str(tmp_path / "s" / "checkpoints")).endswith("step-00000002")
     q = _hgsgc(["train"] + args, np_=np_)
     assert q.returncode == 0 and "(step 2)" in q.stdout and "epoch 1/1" in q.stdout, q.stdout[-2000:] + q.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ damaged newest checkpoint
+def _flip_byte(fp):
+    data = bytearray(open(fp, "rb").read())
+    data[-40] ^= 0xFF  # same size: only the SHA-256 on load sees it
+    open(fp, "wb").write(bytes(data))
+
+
+def test_auto_resume_skips_a_checkpoint_whose_file_fails_sha256(tmp_path):
+    """A complete checkpoint whose rank file was damaged in place (same size; bit rot, a copy
+    gone wrong) stopped every resume with 'fails its SHA-256 check (damaged)' and no fix:
+    resume: auto left the requeued job failing until someone deleted the folder by hand, though
+    the previous complete checkpoint was on disk. resume: auto now says so and resumes the
+    previous one; an explicit checkpoint.resume path still stops, naming the fix."""
+    from hgsgc import checkpoint as ckpt
+    from hgsgc.config import CheckpointConfig
+
+    run = {"world_size": 1, "model": "tiny"}
+    d = tmp_path / "ck"
+    for step in (2, 4, 6):
+        ckpt.save(str(d), step, {"w": np.full(64, float(step))}, run, keep=3)
+    _flip_byte(d / "step-00000006" / "rank-00000.npz")
+    _flip_byte(d / "step-00000004" / "rank-00000.npz")
+    lines = []
+    c = ckpt.Checkpointer(CheckpointConfig(dir=str(d)), str(tmp_path), run, None, lines.append)
+    try:
+        state = c.resume()
+    finally:
+        c.close()
+    assert state["w"][0] == 2.0
+    assert lines == [f"hgsgc: checkpoint {d}/step-00000006 is damaged (rank-00000.npz fails its SHA-256 "
+                     f"check on rank 0): resuming from an older one",
+                     f"hgsgc: checkpoint {d}/step-00000004 is damaged (rank-00000.npz fails its SHA-256 "
+                     f"check on rank 0): resuming from an older one",
+                     f"hgsgc: resuming from {d}/step-00000002 (step 2)"]
+    _flip_byte(d / "step-00000002" / "rank-00000.npz")
+    for resume in ("auto", str(d / "step-00000002")):
+        c = ckpt.Checkpointer(CheckpointConfig(dir=str(d), resume=resume), str(tmp_path), run, None, lambda s: None)
+        try:
+            with pytest.raises(ckpt.CheckpointError, match=r"rank-00000.npz fails its SHA-256 check \(damaged\).* "
+                                                           r"Fix: delete the folder .*step-00000002.*checkpoint.resume=never"):
+                c.resume()
+        finally:
+            c.close()
+
+
+@pytest.mark.mpi
+def test_auto_resume_past_a_damaged_rank_file_on_3_ranks(tmp_path):
+    """3 ranks: rank 2's file of the newest checkpoint damaged; the requeued command resumes
+    from the checkpoint before it on every rank and finishes."""
+    args = (["train", "configs/fashion_mnist_dense.yaml"] + TINY
+            + ["train.max_steps_per_epoch=3", "checkpoint.every_steps=1", f"run.out_dir={tmp_path}", "run.id=d"])
+    p = _hgsgc(args, np_=3)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = tmp_path / "d" / "checkpoints"
+    assert sorted(os.listdir(d)) == ["step-00000002", "step-00000003"]
+    _flip_byte(d / "step-00000003" / "rank-00002.npz")
+    q = _hgsgc(args[:-1] + ["train.epochs=2", "run.id=d"], np_=3)
+    assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
+    assert (f"hgsgc: checkpoint {d}/step-00000003 is damaged (rank-00002.npz fails its SHA-256 check on "
+            f"rank 2): resuming from an older one") in q.stdout
+    assert f"hgsgc: resuming from {d}/step-00000002 (step 2)" in q.stdout and "epoch 2/2" in q.stdout
