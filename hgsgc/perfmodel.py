@@ -68,6 +68,10 @@ class LayoutInputs:
             CPU seconds per wall second, measured by :func:`hgsgc.hourglass.auto.measure_wait_cpu`);
             it loads the machine's cores in :func:`cpu_share` and :func:`pipeline_schedule`.
             0 (the default): waiting ranks use no CPU.
+        dp_buckets, conv_buckets, fc_buckets: ``compression.buckets`` (session 8): the payload
+            bytes of each allgather of the data-parallel / CONV / FC exchange
+            (:func:`allgather_buckets`, summing to the payload), charged as one collective each
+            (:func:`exchange_traffic`); empty (the default) or one entry: one collective.
         boundary_msg_s: seconds per boundary message beyond ``alpha + bytes / beta`` and the
             codec's per-example time (session 7): the measured round trip of one micro-batch's
             message each way on the trainer's path minus what the schedule charges for it, halved
@@ -113,11 +117,19 @@ class LayoutInputs:
     fc_row_s: float = 0.0
     wait_cpu_cores: float = 0.0
     boundary_msg_s: float = 0.0
+    dp_buckets: Tuple[int, ...] = ()
+    conv_buckets: Tuple[int, ...] = ()
+    fc_buckets: Tuple[int, ...] = ()
 
     def __post_init__(self):
         mo, mc = tuple(int(m) for m in self.machine_of), tuple(float(c) for c in self.machine_cores)
         object.__setattr__(self, "machine_of", mo)
         object.__setattr__(self, "machine_cores", mc)
+        for name in ("dp_buckets", "conv_buckets", "fc_buckets"):
+            v = tuple(int(b) for b in getattr(self, name))
+            if any(b < 0 for b in v):
+                raise ValueError(f"LayoutInputs.{name}={list(v)} must be payload bytes >= 0 per allgather")
+            object.__setattr__(self, name, v)
         if not float(self.cpu_parallelism) > 0:
             raise ValueError(f"LayoutInputs.cpu_parallelism={self.cpu_parallelism!r} must be > 0 "
                              f"(cores a rank keeps busy alone; 1.0 for one thread)")
@@ -164,14 +176,23 @@ def layout_exchange_s(k: int, payload: float, algorithm: str, delay: int, alpha:
     return exchange_s(k, payload, algorithm, Link(alpha, beta)) / max(1, delay)
 
 
+def exchange_traffic(algorithm: str, payload: float, delay: int, buckets: Sequence[int] = ()) -> "Traffic":
+    """The :class:`Traffic` of one exchange of ``payload`` bytes by ``algorithm``: one collective,
+    or with ``compression.buckets`` (``buckets``: :func:`allgather_buckets`' sizes, more than
+    one) one collective of ``algorithm`` per bucket."""
+    if len(buckets) > 1:
+        return Traffic(tuple((algorithm, b) for b in buckets), int(delay))
+    return Traffic(((algorithm, payload),), int(delay))
+
+
 def role_exchange(inp: LayoutInputs, k: int, payload: float, algorithm: str, delay: int,
-                  compression_s: float) -> dict:
+                  compression_s: float, buckets: Sequence[int] = ()) -> dict:
     """One exchange among ``k`` ranks per step, as :func:`predict_step` charges it (compute 0):
     ``{"compression_s", "wire_s", "coordination_s", "exchange_s"}``, each divided by ``delay``;
-    all 0 for ``k <= 1`` (a lone rank exchanges nothing)."""
+    all 0 for ``k <= 1`` (a lone rank exchanges nothing). ``buckets``: :func:`exchange_traffic`."""
     if k <= 1:
         return {"compression_s": 0.0, "wire_s": 0.0, "coordination_s": 0.0, "exchange_s": 0.0}
-    p = predict_step(0.0, compression_s, Traffic(((algorithm, payload),), int(delay)), k, inp.link,
+    p = predict_step(0.0, compression_s, exchange_traffic(algorithm, payload, delay, buckets), k, inp.link,
                      cycle_s=inp.cycle_s)
     return {"compression_s": p["compression_s"], "wire_s": p["wire_s"],
             "coordination_s": p["coordination_s"], "exchange_s": p["step_s"]}
@@ -243,7 +264,7 @@ def predict_data_parallel(inp: LayoutInputs) -> dict:
     s = cpu_share(inp, range(n))
     compute = s * (b * (inp.t_conv + inp.t_fc) + inp.t_update_conv + inp.t_update_fc)
     p = predict_step(compute, s * inp.dp_compression_s,
-                     Traffic(((inp.dp_algorithm, inp.dp_payload),), int(inp.delay)),
+                     exchange_traffic(inp.dp_algorithm, inp.dp_payload, inp.delay, inp.dp_buckets),
                      n, inp.link, cycle_s=inp.cycle_s)
     t = p["step_s"]
     return {"layout": "data_parallel", "fc_workers": None, "compute_s": compute,
@@ -442,8 +463,10 @@ def _hourglass_scheduled(inp: LayoutInputs, F: int) -> dict:
     its last compute task."""
     n, b = inp.world_size, inp.batch_size
     C = n - F
-    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
-    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
+    ex_c = role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s,
+                         inp.conv_buckets)
+    ex_f = role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s,
+                         inp.fc_buckets)
     sch = pipeline_schedule(
         inp, F, conv_post=(inp.t_update_conv + ex_c["compression_s"], ex_c["wire_s"] + ex_c["coordination_s"]),
         fc_post=(inp.t_update_fc + ex_f["compression_s"], ex_f["wire_s"] + ex_f["coordination_s"]))

@@ -152,8 +152,10 @@ def best_fc_workers(inputs_at, nodes: int, exhaustive: bool = False, stats: Opti
                 done_at[m] = (sch["conv_done_s"], sch["fc_done_s"])
                 st["bounds"] += 1
             C = nodes - F
-            ex_c = pm.role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s)
-            ex_f = pm.role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s)
+            ex_c = pm.role_exchange(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, inp.conv_compression_s,
+                                    inp.conv_buckets)
+            ex_f = pm.role_exchange(inp, F, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, inp.fc_compression_s,
+                                    inp.fc_buckets)
             low = max(done_at[m][0] + inp.t_update_conv + ex_c["compression_s"] + ex_c["wire_s"] + ex_c["coordination_s"],
                       done_at[m][1] + inp.t_update_fc + ex_f["compression_s"] + ex_f["wire_s"] + ex_f["coordination_s"])
             low *= 1.0 - BOUND_MARGIN
@@ -226,7 +228,7 @@ def _ompi_cost_array(collective: str, k, nbytes: float):
 
 
 def role_post_s(inp: pm.LayoutInputs, ks, payload: float, algorithm: str, delay: int, cost: dict,
-                t_update: float):
+                t_update: float, buckets: Sequence[int] = ()):
     """Seconds a role spends after its last pipeline task when it has ``k`` ranks, for each ``k``
     of ``ks``: ``t_update + compression + wire + coordination`` of :func:`hgsgc.perfmodel.role_exchange`
     ``(inp, k, payload, algorithm, delay, compression_at(cost, k, algorithm))`` (each term divided by
@@ -234,6 +236,10 @@ def role_post_s(inp: pm.LayoutInputs, ks, payload: float, algorithm: str, delay:
 
         post(k) = t_update + (base_s + merges(k) per_payload_s) / H + exchange_s(k) / H
                   + (cycle_s / 2 + m_neg(k) alpha) / H
+
+    (with ``compression.buckets``, ``buckets`` of more than one size: ``exchange_s`` summed over
+    the buckets' collectives and the coordination times their number, as
+    :func:`hgsgc.perfmodel.exchange_traffic`)
 
     with ``merges`` :func:`hgsgc.costs.exchange_merges`, ``exchange_s``
     :func:`hgsgc.perfmodel.exchange_s` on ``inp.link`` (no token bucket) and ``m_neg`` the
@@ -264,26 +270,29 @@ def role_post_s(inp: pm.LayoutInputs, ks, payload: float, algorithm: str, delay:
     small = ks < VECTOR_FROM_RANKS
     for i in np.flatnonzero(small):
         k = int(ks[i])
-        ex = pm.role_exchange(inp, k, payload, algorithm, delay, pm.compression_at(cost, k, algorithm))
+        ex = pm.role_exchange(inp, k, payload, algorithm, delay, pm.compression_at(cost, k, algorithm), buckets)
         out[i] = t_update + ex["compression_s"] + ex["wire_s"] + ex["coordination_s"]
     k = ks[~small]
     if k.size:
         h = max(1, int(delay))
         link = inp.link
         lg = _bit_length(k - 1)
-        if algorithm in ("tree", "node"):   # perfmodel.exchange_s without hosts: the tree
-            L = _bit_length(k) - 1
-            nbytes = (L + np.where(k > np.left_shift(np.int64(1), L), 2, 0)) * payload
-            msgs = lg + (k & (k - 1) != 0)          # tree_rounds: ceil(log2 k) + [k not a power of 2]
-            wire = msgs * link.alpha_s + nbytes / (link.beta_Bps * link.bidir_factor)
-            merges = lg
-        else:
-            msgs, nbytes, pw = _ompi_cost_array("allreduce" if algorithm == "ring" else "allgatherv", k, payload)
-            wire = msgs * link.alpha_s + nbytes / np.where(pw, link.beta_Bps * link.bidir_factor, link.beta_Bps * 1.0)
-            merges = k - 1
+        parts = pm.exchange_traffic(algorithm, payload, delay, buckets).collectives
+        wire = 0
+        for _, size in parts:   # perfmodel.exchange_wire_s without a token bucket: the sum in order
+            if algorithm in ("tree", "node"):   # perfmodel.exchange_s without hosts: the tree
+                L = _bit_length(k) - 1
+                nbytes = (L + np.where(k > np.left_shift(np.int64(1), L), 2, 0)) * size
+                msgs = lg + (k & (k - 1) != 0)          # tree_rounds: ceil(log2 k) + [k not a power of 2]
+                wire = wire + (msgs * link.alpha_s + nbytes / (link.beta_Bps * link.bidir_factor))
+            else:
+                msgs, nbytes, pw = _ompi_cost_array("allreduce" if algorithm == "ring" else "allgatherv", k, size)
+                wire = wire + (msgs * link.alpha_s
+                               + nbytes / np.where(pw, link.beta_Bps * link.bidir_factor, link.beta_Bps * 1.0))
+        merges = lg if algorithm in ("tree", "node") else k - 1
         neg, _, _ = _ompi_cost_array("allreduce", k, pm.NEGOTIATION_BYTES)
         comp = cost["base_s"] + merges * cost["per_payload_s"]
-        coord = 1 * (inp.cycle_s / 2.0 + neg * link.alpha_s)
+        coord = len(parts) * (inp.cycle_s / 2.0 + neg * link.alpha_s)
         out[~small] = t_update + comp / h + wire / h + coord / h
     return out
 
@@ -331,8 +340,10 @@ def best_fc_workers_fast(inp: pm.LayoutInputs, nodes: int, conv_cost: dict, fc_c
     for lo in range(2, top + 1, SCAN_CHUNK):
         Fs = np.arange(lo, min(top, lo + SCAN_CHUNK - 1) + 1, dtype=np.int64)
         C = nodes - Fs
-        post_c = role_post_s(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, conv_cost, inp.t_update_conv)
-        post_f = role_post_s(inp, Fs, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, fc_cost, inp.t_update_fc)
+        post_c = role_post_s(inp, C, inp.conv_payload, inp.conv_algorithm, inp.delay, conv_cost, inp.t_update_conv,
+                             inp.conv_buckets)
+        post_f = role_post_s(inp, Fs, inp.fc_payload, inp.fc_algorithm, inp.fc_delay, fc_cost, inp.t_update_fc,
+                             inp.fc_buckets)
         low0 = np.maximum(post_c, post_f) * (1.0 - BOUND_MARGIN)
         with np.errstate(divide="ignore"):
             keep = ~((low0 > 0) & (C * b / np.where(low0 > 0, low0, 1.0) <= thr0))
@@ -515,7 +526,9 @@ def hourglass_inputs(cfg, model, nodes: int, link: pm.Link, cycle_s: float, comp
         dp_compression_s=pm.compression_at(dp_cost, nodes, cc.algorithm),
         t_update_conv=update * d_conv / (d_conv + d_fc), t_update_fc=update * d_fc / (d_conv + d_fc),
         conv_fwd_mb_s=stages["conv_fwd_mb_s"], conv_bwd_mb_s=stages["conv_bwd_mb_s"],
-        fc_call_s=stages["fc_call_s"], fc_row_s=stages["fc_row_s"], boundary_msg_s=msg["boundary_msg_s"])
+        fc_call_s=stages["fc_call_s"], fc_row_s=stages["fc_row_s"], boundary_msg_s=msg["boundary_msg_s"],
+        dp_buckets=pm.allgather_buckets(cc, conv_shapes + fc_shapes), conv_buckets=pm.allgather_buckets(cc, conv_shapes),
+        fc_buckets=pm.allgather_buckets(fcc, fc_shapes))
     info = {"boundary_message": msg, "split_layer": split.boundary_layer,
             "features": int(split.features), "act_codec": act.name, "grad_codec": grad.name,
             "density_of_nonzero_activations": meas["density"], "conv_compression_cost": conv_cost,

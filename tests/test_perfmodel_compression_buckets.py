@@ -82,3 +82,62 @@ def test_predict_step_charges_coordination_and_latency_per_bucket():
                           link, cycle_s=cyc)
     assert p4d["coordination_s"] == pytest.approx(3 * coord1 / 4, rel=1e-15)
     assert p4d["wire_s"] == pytest.approx((w580 + w5 + w575) / 4, rel=1e-15)
+
+
+def _layout(**kw):
+    base = dict(world_size=5, batch_size=16, t_conv=1e-3, t_fc=2e-4, act_bytes=100.0, grad_bytes=96.0, codec_s=0.0,
+                alpha=1e-4, beta=1e6, bidir_factor=0.5, cycle_s=2e-3, dp_payload=1160.0, conv_payload=1160.0,
+                fc_payload=1160.0, dp_algorithm="allgather", conv_algorithm="allgather", fc_algorithm="allgather")
+    return pm.LayoutInputs(**{**base, **kw})
+
+
+def test_layout_inputs_charge_buckets_data_parallel_and_hourglass():
+    """LayoutInputs.dp_buckets / conv_buckets / fc_buckets (hgsgc plan fills them from the setting):
+    predict_data_parallel and predict_hourglass's role exchanges charge one collective per bucket."""
+    link = pm.Link(1e-4, 1e6, 0.5)
+    b3 = (580, 5, 575)
+    one, three = _layout(), _layout(dp_buckets=b3, conv_buckets=b3, fc_buckets=b3)
+    tr3 = pm.Traffic(tuple(("allgather", b) for b in b3))
+    # data parallel on 5 ranks: the step of predict_step with the three allgathers
+    want = pm.predict_step(1.0 * (16 * (1e-3 + 2e-4) + 0.0 + 0.0), 0.0, tr3, 5, link, cycle_s=2e-3)["step_s"]
+    assert pm.predict_data_parallel(three)["step_s"] == want
+    assert pm.predict_data_parallel(one)["step_s"] == pm.predict_step(
+        1.0 * (16 * (1e-3 + 2e-4) + 0.0 + 0.0), 0.0, pm.Traffic((("allgather", 1160.0),)), 5, link, cycle_s=2e-3)["step_s"]
+    # 4 CONV ranks (F = 1): coordination 3 x (1 ms + 2 negotiation messages x 100 us)
+    h = pm.predict_hourglass(three, 1)
+    assert h["conv_exchange"]["coordination_s"] == pytest.approx(3 * 1.2e-3, rel=1e-15)
+    assert h["conv_exchange"]["wire_s"] == pytest.approx(2e-4 + 1740 / 5e5 + 5e-4 + 55 / 1e6 + 2e-4 + 1725 / 5e5,
+                                                         rel=1e-15)
+    assert pm.predict_hourglass(one, 1)["conv_exchange"]["coordination_s"] == 1 * (2e-3 / 2.0 + 2 * 1e-4)
+    assert h["fc_exchange"]["exchange_s"] == 0.0                   # one FC rank exchanges nothing
+    # F = 2: 2 FC ranks, three allgathers of 580, 5, 575 B (two_proc / ring: 1 message each, pairwise)
+    h2 = pm.predict_hourglass(three, 2)
+    assert h2["fc_exchange"]["coordination_s"] == pytest.approx(3 * (1e-3 + 1e-4), rel=1e-15)
+    # one bucket (or none) is one collective: the inputs without buckets
+    assert pm.predict_hourglass(_layout(conv_buckets=(1160,)), 1)["step_s"] == pm.predict_hourglass(one, 1)["step_s"]
+    # JSON round trip (lists) and bad sizes
+    assert _layout(conv_buckets=[580, 5, 575]).conv_buckets == b3
+    with pytest.raises(ValueError, match="conv_buckets"):
+        _layout(conv_buckets=(-1, 5))
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "ring", "tree"])
+def test_role_post_s_with_buckets_equals_role_exchange(algorithm):
+    import numpy as np
+
+    from hgsgc import plan as plan_mod
+
+    inp = _layout(cycle_s=3e-3, alpha=1.7e-4)
+    cost = {"base_s": 2e-3, "per_payload_s": 3e-7}
+    ks = np.array(list(range(0, 40)) + list(range(4090, 4200)) + [10 ** 6 + 1, 2 ** 22, 9_999_999], dtype=np.int64)
+    got = plan_mod.role_post_s(inp, ks, 40000.0, algorithm, 2, cost, 1e-3, (30000, 9000, 1000))
+    want = []
+    for k in ks:
+        ex = pm.role_exchange(inp, int(k), 40000.0, algorithm, 2, pm.compression_at(cost, int(k), algorithm),
+                              (30000, 9000, 1000))
+        want.append(1e-3 + ex["compression_s"] + ex["wire_s"] + ex["coordination_s"])
+    assert got.tolist() == want
+    # 3 collectives: 3 coordinations where the exchange happens
+    ex = pm.role_exchange(inp, 4, 40000.0, algorithm, 2, 0.0, (30000, 9000, 1000))
+    ex1 = pm.role_exchange(inp, 4, 40000.0, algorithm, 2, 0.0)
+    assert ex["coordination_s"] == pytest.approx(3 * ex1["coordination_s"], rel=1e-15)

@@ -78,6 +78,8 @@ MORE_VARIANTS = {
     "big_allgather_fc": dict(fc_algorithm="allgather", fc_payload=2e6, fc_row_s=400e-6),
     "small_ring_fc": dict(fc_payload=1000.0, fc_row_s=600e-6, conv_algorithm="ring", conv_payload=20000.0),
     "no_cycle_no_alpha": dict(cycle_s=0.0, alpha=0.0, bidir_factor=1.0, fc_payload=5e4),
+    "conv_buckets": dict(conv_buckets=(3000, 28, 500), fc_algorithm="allgather", fc_payload=4e4,
+                         fc_buckets=(39000, 1000)),   # compression.buckets: 3 and 2 allgathers
 }
 ALL_VARIANTS = {**VARIANTS, **MORE_VARIANTS}
 
