@@ -336,14 +336,29 @@ def _with_added_defaults(saved, current):
 SCHEDULE_ONLY_SETTINGS = ("buckets",)
 
 
+#: identity entries added after checkpoints without them were written: not compared when the
+#: checkpoint lacks them. ``data_order``: what the global step is a position in (session 8).
+ADDED_IDENTITY_KEYS = ("data_order",)
+
+
+def data_order(seed: int, batch_size: int, steps_per_epoch: int) -> dict:
+    """The identity entry of the data order (the checkpoint's step is a position in it): a run
+    resumed with another ``run.seed``, ``train.batch_size``, ``data.train_limit`` or
+    ``train.max_steps_per_epoch`` would continue at that step of a different order."""
+    return {"seed": int(seed), "batch_size": int(batch_size), "steps_per_epoch": int(steps_per_epoch)}
+
+
 def describe_differences(saved: dict, current: dict) -> List[str]:
     """Human-readable differences between two run identities (``manifest["run"]``); the
     compressions' :data:`SCHEDULE_ONLY_SETTINGS` are not compared."""
     labels = {"world_size": "rank count", "model": "model", "parameters": "parameter shapes",
               "compression": "compression", "layout": "layout", "roles": "Hourglass roles",
-              "fc_compression": "FC compression"}
+              "fc_compression": "FC compression",
+              "data_order": "data order (run.seed, train.batch_size, steps per epoch)"}
     diffs = []
     for key in sorted(set(saved) | set(current)):
+        if key in ADDED_IDENTITY_KEYS and key not in saved:
+            continue  # a checkpoint written before the key existed
         a, b = saved.get(key), current.get(key)
         if key in ("compression", "fc_compression"):
             a = _with_added_defaults(a, b)

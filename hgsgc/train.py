@@ -136,7 +136,8 @@ def run_data_parallel(cfg, log=print) -> dict:
     run_dir = os.path.join(cfg.run.out_dir, run_id)
     identity = {"world_size": size, "layout": "data_parallel", "model": cfg.model.name,
                 "parameters": ckpt.parameter_shapes(model.variables),
-                "compression": compression.to_dict()}
+                "compression": compression.to_dict(),
+                "data_order": ckpt.data_order(cfg.run.seed, cfg.train.batch_size, steps_per_epoch)}
     checkpointer = ckpt.Checkpointer(cfg.checkpoint, run_dir, identity, comm, log if is_root else None)
     loop = {"global_step": 0, "history": [], "losses": [], "before": None,
             "step_times": [], "first_step_time": None, "wall_s": 0.0}

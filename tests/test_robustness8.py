@@ -318,3 +318,39 @@ def test_auto_resume_past_a_damaged_rank_file_on_3_ranks(tmp_path):
     assert (f"hgsgc: checkpoint {d}/step-00000003 is damaged (rank-00002.npz fails its SHA-256 check on "
             f"rank 2): resuming from an older one") in q.stdout
     assert f"hgsgc: resuming from {d}/step-00000002 (step 2)" in q.stdout and "epoch 2/2" in q.stdout
+
+
+# ------------------------------------------------------------------ resume with another data order
+def test_resume_with_another_data_order_is_refused_naming_it(tmp_path):
+    """A checkpoint's global step is a position in the data order, a pure function of (run.seed,
+    train.batch_size, steps per epoch). A requeued job whose config was edited meanwhile (another
+    batch size, seed, data.train_limit or max_steps_per_epoch) resumed at that step of a different
+    order without a word (compression and rank-count changes were refused). The runners' identity
+    carries data_order now; checkpoints written before it still resume."""
+    from hgsgc import checkpoint as ckpt
+
+    base = {"world_size": 2, "model": "tiny", "data_order": {"seed": 42, "batch_size": 32, "steps_per_epoch": 7}}
+    d = str(tmp_path)
+    ckpt.save(d, 5, {"w": np.zeros(3)}, base)
+    changed = dict(base, data_order={"seed": 42, "batch_size": 64, "steps_per_epoch": 3})
+    with pytest.raises(ckpt.CheckpointMismatch, match=r'data order \(run.seed, train.batch_size, steps per epoch\): '
+                                                      r'checkpoint .*"batch_size": 32.*this run .*"batch_size": 64'):
+        ckpt.resolve(d, "auto", changed)
+    assert ckpt.resolve(d, "auto", base)[0] == ckpt.step_dir(d, 5)
+    old = {k: v for k, v in base.items() if k != "data_order"}
+    ckpt.save(str(tmp_path / "old"), 3, {"w": np.zeros(3)}, old)  # before session 8
+    assert ckpt.resolve(str(tmp_path / "old"), "auto", changed)[0] == ckpt.step_dir(str(tmp_path / "old"), 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ["data_parallel", "hourglass"])
+def test_requeued_run_with_another_batch_size_is_refused_on_2_ranks(tmp_path, layout):
+    args = (["train", "configs/fashion_mnist.yaml", f"layout={layout}", "hourglass.fc_workers=1"] + TINY
+            + [f"run.out_dir={tmp_path}", "run.id=o"])
+    p = _hgsgc(args, np_=2)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    q = _hgsgc(args + ["train.batch_size=16"], np_=2)
+    assert q.returncode == 1, q.stdout[-2000:] + q.stderr[-2000:]
+    lines = _error_lines(q)
+    assert len(lines) == 1 and "CheckpointMismatch" in lines[0] and '"batch_size": 32' in lines[0] \
+        and '"batch_size": 16' in lines[0], q.stderr[-2000:]

@@ -336,7 +336,8 @@ def run(cfg, log=print) -> dict:
                 "parameters": ckpt.parameter_shapes(model.variables),
                 "compression": compression.to_dict(), "fc_compression": fc_compression.to_dict(),
                 "roles": {"conv": list(layout.plan.conv_ranks), "fc": list(layout.plan.fc_ranks)},
-                "split_layer": split.boundary_layer}
+                "split_layer": split.boundary_layer,
+                "data_order": ckpt.data_order(cfg.run.seed, b, steps_per_epoch)}
     checkpointer = ckpt.Checkpointer(cfg.checkpoint, run_dir, identity, ckpt_comm,
                                      log if is_root else None)
     loop = {"global_step": 0, "history": [], "before": None, "start_snap": None,
