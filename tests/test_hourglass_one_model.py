@@ -203,3 +203,32 @@ def test_measure_costs_measures_the_stages_when_told_the_world():
     plain = measure_costs(split, 8, Compression.none, Compression.none, 100.0, repeats=1, micro_batches=2)
     assert (plain.conv_fwd_mb_s, plain.conv_bwd_mb_s, plain.fc_call_s, plain.fc_row_s) == (0.0, 0.0, 0.0, 0.0)
     assert np.isfinite(r["candidates"][0]["step_s"])
+
+
+def test_plan_and_auto_choose_charge_the_same_buckets(fixed):
+    """``compression.buckets=2``: ``hgsgc plan`` charges one collective per bucket
+    (``LayoutInputs.dp/conv/fc_buckets``); ``layout: auto`` must build the same bucket sizes from the
+    same model, so both predict identical steps for every F (and the data-parallel row)."""
+    import numpy as np
+
+    from hgsgc.config import load_config
+    from hgsgc.config import compression_from_config
+    from hgsgc.hourglass.split import split_model
+    from hgsgc.plan import build_plan_model
+
+    cfg = load_config(None, OVERRIDES + ["compression.buckets=2"])
+    model, _ = build_plan_model(cfg)
+    split = split_model(model, cfg.hourglass.split_layer)
+    x = np.random.default_rng(0).random((16,) + tuple(int(d) for d in model.inputs[0].shape[1:])).astype(np.float32)
+
+    fp, plan_steps, _ = _plan_steps(cfg)
+    fa, auto_steps, rep = _choose_steps(cfg, split, x)
+    conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
+    fc_shapes = [tuple(int(d) for d in v.shape) for v in split.head_variables]
+    cc = compression_from_config(cfg.compression)
+    want = pm.allgather_buckets(cc, conv_shapes)
+    assert len(want) == 2                                               # two allgathers on the CONV side
+    assert tuple(rep["inputs"]["conv_buckets"]) == want
+    assert tuple(rep["inputs"]["dp_buckets"]) == pm.allgather_buckets(cc, conv_shapes + fc_shapes)
+    assert fp == fa == [1, 2]
+    assert plan_steps == auto_steps

@@ -467,7 +467,11 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             machine_of=tuple(machines["machine_of"]), machine_cores=tuple(cores),
             cpu_parallelism=meas["cpu_parallelism"], conv_fwd_mb_s=meas["conv_fwd_mb_s"],
             conv_bwd_mb_s=meas["conv_bwd_mb_s"], fc_call_s=meas["fc_call_s"], fc_row_s=meas["fc_row_s"],
-            wait_cpu_cores=float(np.median(wait_all)), boundary_msg_s=msg["boundary_msg_s"])
+            wait_cpu_cores=float(np.median(wait_all)), boundary_msg_s=msg["boundary_msg_s"],
+            # compression.buckets: one collective per bucket, as hgsgc plan charges (same sizes)
+            dp_buckets=perfmodel.allgather_buckets(cc, conv_shapes + fc_shapes),
+            conv_buckets=perfmodel.allgather_buckets(cc, conv_shapes),
+            fc_buckets=perfmodel.allgather_buckets(fcc, fc_shapes))
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
             hourglass_only=hourglass_only)
