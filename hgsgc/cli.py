@@ -159,7 +159,16 @@ def cmd_report(args) -> int:
     try:
         print(report(args.run_dirs, out_dir=args.out))
     except (FileNotFoundError, ValueError) as exc:
-        print(f"hgsgc: report: {exc}", file=sys.stderr)
+        if isinstance(exc, FileNotFoundError) and exc.errno is not None:  # the output folder
+            print(f"hgsgc: report: cannot write the report into {args.out or args.run_dirs[0]}: "
+                  f"{exc.strerror} (errno {exc.errno})", file=sys.stderr)
+        else:
+            print(f"hgsgc: report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --out an existing file, a read-only folder, a full disk
+        where = f"--out {args.out}" if args.out else args.run_dirs[0]
+        print(f"hgsgc: report: cannot write the report into {where}: {exc.strerror or exc} "
+              f"(errno {exc.errno}): give --out a writable folder", file=sys.stderr)
         return 2
     return 0
 

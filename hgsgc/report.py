@@ -22,6 +22,13 @@ def _load(run_dir: str):
             summary = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{sp}: not valid JSON ({exc}): an interrupted run? rerun it") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{sp}: not an hgsgc run summary (a JSON {_kind(summary)}, expected an object)")
+    for k in SUMMARY_KEYS:
+        if k not in summary:
+            raise ValueError(f"{sp}: not an hgsgc run summary (no {k!r})")
+        if not _is_num(summary[k]):
+            raise ValueError(f"{sp}: {k!r} is {summary[k]!r}, not a number")
     metrics = []
     if os.path.exists(mp):
         with open(mp) as f:
@@ -30,11 +37,32 @@ def _load(run_dir: str):
                     continue
                 try:
                     rec = json.loads(line)
-                    if rec.get("kind") != "step":  # per-step lines (train.log_every_steps) are not epochs
-                        metrics.append(rec)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{mp}, line {i}: not valid JSON ({exc})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{mp}, line {i}: not an hgsgc metrics record (a JSON "
+                                     f"{_kind(rec)}, expected an object)")
+                if rec.get("kind") == "step":  # per-step lines (train.log_every_steps) are not epochs
+                    continue
+                for k, v in rec.items():  # the report formats epoch, losses, qualities, times
+                    if (k == "epoch" or k.endswith(("_loss", "_accuracy", "_perplexity", "_wer", "_time_s"))) \
+                            and v is not None and not _is_num(v):
+                        raise ValueError(f"{mp}, line {i}: {k!r} is {v!r}, not a number")
+                metrics.append(rec)
     return summary, metrics
+
+
+#: summary.json entries the report's table needs
+SUMMARY_KEYS = ("world_size", "mean_step_time_s", "bytes_sent_per_step_per_rank",
+                "dense_bytes_per_step_per_rank", "compression_ratio", "wall_time_s")
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    return {list: "list", str: "string", int: "int", float: "number", bool: "boolean"}.get(type(v), "null")
 
 
 #: each task's quality metric (``hgsgc.tasks``: image classification, language model, speech)

@@ -354,3 +354,48 @@ def test_requeued_run_with_another_batch_size_is_refused_on_2_ranks(tmp_path, la
     lines = _error_lines(q)
     assert len(lines) == 1 and "CheckpointMismatch" in lines[0] and '"batch_size": 32' in lines[0] \
         and '"batch_size": 16' in lines[0], q.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ hgsgc report
+def _fake_run(d, summary=None):
+    d.mkdir(parents=True)
+    s = {"run_id": "x", "layout": "data_parallel", "compression": {"method": "none"}, "world_size": 2,
+         "final_test_accuracy": 0.5, "final_test_loss": 1.0, "mean_step_time_s": 0.01,
+         "bytes_sent_per_step_per_rank": 1e3, "dense_bytes_per_step_per_rank": 2e3, "compression_ratio": 1.0,
+         "wall_time_s": 3.0}
+    (d / "summary.json").write_text(json.dumps(summary if summary is not None else s))
+    (d / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train_loss": 1.2, "test_loss": 1.0,
+                                                 "test_accuracy": 0.5, "epoch_time_s": 2.0}) + "\n")
+    return d
+
+
+@pytest.mark.parametrize("summary,metrics_line,needle", [
+    ([], None, "summary.json: not an hgsgc run summary (a JSON list, expected an object)"),
+    ({"world_size": 2}, None, "summary.json: not an hgsgc run summary (no 'mean_step_time_s')"),
+    (None, "3", "metrics.jsonl, line 2: not an hgsgc metrics record (a JSON int, expected an object)"),
+    (None, '{"epoch": "x", "test_accuracy": "a"}', "metrics.jsonl, line 2: 'epoch' is 'x', not a number"),
+])
+def test_report_of_a_foreign_run_directory_is_one_line(tmp_path, summary, metrics_line, needle):
+    """A summary.json that is JSON but not a run summary (another tool's, a hand-edited one), or
+    a metrics.jsonl line that is not a record, gave a traceback (AttributeError, KeyError) or a
+    bare 'Unknown format code' naming no file."""
+    run = _fake_run(tmp_path / "run", summary)
+    if metrics_line is not None:
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(metrics_line + "\n")
+    p = _hgsgc(["report", str(run)], timeout=120)
+    assert p.returncode == 2 and p.stderr.splitlines() == [f"hgsgc: report: {run}/{needle}"], p.stderr[-2000:]
+
+
+def test_report_out_that_is_a_file_is_one_line(tmp_path):
+    """--out naming an existing file: FileExistsError traceback."""
+    run = _fake_run(tmp_path / "run")
+    f = tmp_path / "afile"
+    f.write_text("keep me")
+    p = _hgsgc(["report", str(run), "--out", str(f)], timeout=120)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"hgsgc: report: cannot write the report into --out {f}: File exists (errno 17): give --out a writable folder"], p.stderr
+    assert f.read_text() == "keep me"
+    out = tmp_path / "ünï cödé"  # a non-ASCII folder is fine
+    assert _hgsgc(["report", str(run), "--out", str(out)], timeout=120).returncode == 0
+    assert sorted(os.listdir(out)) == ["accuracy.png", "loss.png", "report.md"]
