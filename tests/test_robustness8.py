@@ -399,3 +399,48 @@ def test_report_out_that_is_a_file_is_one_line(tmp_path):
     out = tmp_path / "ünï cödé"  # a non-ASCII folder is fine
     assert _hgsgc(["report", str(run), "--out", str(out)], timeout=120).returncode == 0
     assert sorted(os.listdir(out)) == ["accuracy.png", "loss.png", "report.md"]
+
+
+# ------------------------------------------------------------------ ImageNet TFRecord contents
+def _records(path, examples):
+    import tensorflow as tf
+
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for feats in examples:
+            f = {k: (tf.train.Feature(bytes_list=tf.train.BytesList(value=[v])) if isinstance(v, bytes)
+                     else tf.train.Feature(int64_list=tf.train.Int64List(value=[v]))) for k, v in feats.items()}
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+
+
+def _jpeg():
+    import tensorflow as tf
+
+    return tf.io.encode_jpeg(np.full((8, 8, 3), 100, np.uint8)).numpy()
+
+
+@pytest.mark.parametrize("examples,needle", [
+    # TensorFlow Datasets' keys, not the Inception build script's
+    (lambda j: [{"image": j, "label": 3}], "record 0 has no 'image/encoded' (bytes) feature"),
+    (lambda j: [{"image/encoded": j, "image/class/label": 0}],
+     "record 0 has label 0, outside 1..5 (labels are 1-based by the Inception build scripts"),
+    (lambda j: [{"image/encoded": j, "image/class/label": 6}], "record 0 has label 6, outside 1..5"),
+    (lambda j: [{"image/encoded": b"\x89PNG\r\n" + j, "image/class/label": 2}],
+     "record 0's image/encoded is not a JPEG (starts with 89504e47, expected ffd8)"),
+])
+def test_imagenet_tfrecord_of_another_layout_is_a_data_error_before_training(tmp_path, examples, needle):
+    """Shards whose records are not Inception-style ImageNet examples (TFDS keys, 0-based labels,
+    PNG bytes) passed the framing check and failed in tf.data at the first batch of every rank
+    reading them (InvalidArgumentError: 'Feature: image/encoded ... is required but could not be
+    found', naming no file), or trained on label -1. The first record of every shard is parsed
+    when the loader is built."""
+    from hgsgc.data import DataError
+    from hgsgc.data.imagenet import ImageNetTFRecord, write_tfrecords
+
+    good = tmp_path / "train-00000-of-00002"
+    write_tfrecords([str(good)], [_jpeg()] * 2, [1, 5])
+    bad = tmp_path / "train-00001-of-00002"
+    _records(bad, examples(_jpeg()))
+    with pytest.raises(DataError, match=f"{bad}: {needle}".replace("(", r"\(").replace(")", r"\)")):
+        ImageNetTFRecord(str(tmp_path), "train", image_size=8, num_classes=5)
+    bad.unlink()
+    assert ImageNetTFRecord(str(tmp_path), "train", image_size=8, num_classes=5).n == 2

@@ -14,7 +14,9 @@ ImageNet mean and std.
 Checks made when a loader is built (every rank, before training): folders and files exist, no
 file is empty, every JPEG starts with the JPEG start-of-image marker ``FF D8`` and ends with an
 end-of-image marker ``FF D9`` (a truncated copy does not), every TFRecord file's framing is whole
-(length headers and payloads add up to the file size; the record counts come from this walk).
+(length headers and payloads add up to the file size; the record counts come from this walk),
+and every shard's first record is an Inception-style example (a JPEG in ``image/encoded``, a
+label in range in ``image/class/label``).
 
 The offline default (``scripts/install.sh``) is a small 10-class tree and TFRecords made from
 Fashion-MNIST images (64x64): real images, not ImageNet.
@@ -121,6 +123,46 @@ def tfrecord_count(path: str) -> int:
     return n
 
 
+def check_first_record(path: str, label_offset: int = 1, num_classes: int = 1000) -> None:
+    """Parse the first record of a TFRecord shard as an Inception-style ImageNet example: a JPEG in
+    ``image/encoded`` and a label in ``label_offset .. num_classes - 1 + label_offset`` in
+    ``image/class/label``. A shard of another layout (TensorFlow Datasets' ``image`` / ``label``,
+    0-based labels, PNG bytes) failed in ``tf.data`` at the first batch of the ranks reading it,
+    naming no file (or trained on label -1).
+
+    Raises:
+        DataError: naming the file and what its first record lacks.
+    """
+    import tensorflow as tf
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(12)[:8])
+        payload = f.read(length)
+    try:
+        feats = tf.train.Example.FromString(payload).features.feature
+    except Exception as exc:  # google.protobuf.message.DecodeError
+        raise DataError(f"{path}: record 0 is not a tf.train.Example ({exc}): not an ImageNet "
+                        f"TFRecord shard") from None
+    keys = ", ".join(sorted(feats)) or "none"
+    img = feats["image/encoded"].bytes_list.value if "image/encoded" in feats else []
+    if len(img) != 1:
+        raise DataError(f"{path}: record 0 has no 'image/encoded' (bytes) feature (its features: "
+                        f"{keys}): hgsgc reads the Inception build script's layout (image/encoded, "
+                        f"image/class/label)")
+    if img[0][:2] != b"\xff\xd8":
+        raise DataError(f"{path}: record 0's image/encoded is not a JPEG (starts with {img[0][:4].hex()}, "
+                        f"expected ffd8): convert the images to JPEG")
+    lab = feats["image/class/label"].int64_list.value if "image/class/label" in feats else []
+    if len(lab) != 1:
+        raise DataError(f"{path}: record 0 has no 'image/class/label' (int64) feature (its features: "
+                        f"{keys})")
+    lo, hi = label_offset, num_classes - 1 + label_offset
+    if not lo <= lab[0] <= hi:
+        raise DataError(f"{path}: record 0 has label {lab[0]}, outside {lo}..{hi} (labels are "
+                        f"{'1' if label_offset == 1 else label_offset}-based by the Inception build "
+                        f"scripts; data.num_classes={num_classes}): set data.num_classes or re-make the shards")
+
+
 def _preprocess(image_bytes, train: bool, image_size: int, seed):
     import tensorflow as tf
 
@@ -204,6 +246,8 @@ class ImageNetTFRecord:
             raise DataError(f"no TFRecord shards {os.path.join(root, prefix + '-*')} (set data.path "
                             f"to the folder of train-*-of-* / validation-*-of-* files)")
         self.counts = np.asarray([tfrecord_count(f) for f in self.files], np.int64)
+        for f in self.files:  # the layout of every shard (its first record), before training
+            check_first_record(f, label_offset, num_classes)
         self.n = int(self.counts.sum())
         self.image_size = image_size
         self.label_offset = label_offset
