@@ -452,6 +452,42 @@ def edit_sums(refs, hyps):
             sum(lev(r, h) for r, h in zip(refs, hyps)), sum(len(r) for r in refs))
 
 
+def check_same_data(task, comm, cfg) -> None:
+    """Collective (every rank, before any collective whose count depends on the data): the ranks'
+    data have the same size and classes.
+
+    ``data.path`` may differ between ranks (node-local copies, ``hgsgc.cli.NODE_LOCAL_KEYS``); a
+    copy with fewer training examples on one node gave that rank fewer steps per epoch, so it
+    reached the evaluation's allreduce while the others were still training: the job hung in
+    Horovod until killed. Only sizes and classes are compared (no checksum of the contents).
+
+    Raises:
+        DataError: on every rank alike (``all_ranks``), naming each group of ranks, its sizes and
+            its ``data.path``.
+    """
+    from hgsgc.data import DataError
+
+    if comm is None or comm.Get_size() == 1:
+        return
+    unit = "tokens" if getattr(task, "kind", "") == "lm" else "examples"
+    got = comm.allgather((int(task.n_train), int(task.num_classes), data_path(cfg)))
+    groups: Dict[tuple, list] = {}
+    for r, (n, c, path) in enumerate(got):
+        groups.setdefault((n, c), []).append((r, path))
+    if len(groups) == 1:
+        return
+    parts = []
+    for (n, c), members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0][0])):
+        ranks = ",".join(str(r) for r, _ in members)
+        paths = ", ".join(sorted({p for _, p in members}))
+        parts.append(f"{n:,} training {unit}, {c} classes on rank{'s' if len(members) > 1 else ''} "
+                     f"{ranks} ({paths})")
+    err = DataError(f"the training data differs between ranks ({'; '.join(parts)}): give every node "
+                    f"the same copy (data.path may differ between nodes, the data may not)")
+    err.all_ranks = True
+    raise err
+
+
 def make_task(cfg):
     """The task of ``cfg.data.format`` (loads and checks the data: DataError on a bad file)."""
     kind = TASK_OF_FORMAT[cfg.data.format]

@@ -89,7 +89,7 @@ def run_data_parallel(cfg, log=print) -> dict:
     from hgsgc import checkpoint as ckpt
     from hgsgc import config as config_mod
     from hgsgc.faults import configure_stall_check, world_comm
-    from hgsgc.tasks import make_task
+    from hgsgc.tasks import check_same_data, make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before hvd.init (Horovod reads it there)
     hvd.init()
@@ -101,6 +101,7 @@ def run_data_parallel(cfg, log=print) -> dict:
     comm = world_comm()
 
     task = make_task(cfg)  # DataError on every rank before any collective
+    check_same_data(task, comm, cfg)  # node-local copies of another size: one line, not a hang
     _, steps_per_epoch = task.train_data(rank, size, 0)
     if steps_per_epoch < 1:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} x {size} ranks exceeds the "

@@ -444,3 +444,46 @@ def test_imagenet_tfrecord_of_another_layout_is_a_data_error_before_training(tmp
         ImageNetTFRecord(str(tmp_path), "train", image_size=8, num_classes=5)
     bad.unlink()
     assert ImageNetTFRecord(str(tmp_path), "train", image_size=8, num_classes=5).n == 2
+
+
+# ------------------------------------------------------------------ node-local data copies that differ
+def _small_fashion_copy(dst, n_train=1000):
+    from hgsgc.data import FILES, read_idx
+
+    src = "/usr/share/datasets/fashion-mnist"
+    dst.mkdir(parents=True)
+    for key, stem in FILES.items():
+        p = os.path.join(src, stem + ".gz")
+        a = read_idx(p if os.path.exists(p) else os.path.join(src, stem))
+        if key.startswith("train"):
+            a = a[:n_train]
+        head = bytes([0, 0, 8, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape)
+        (dst / stem).write_bytes(head + a.tobytes())
+    return str(dst)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,odd,layout", [(2, 1, "data_parallel"), (3, 0, "hourglass")])
+def test_data_copies_that_differ_between_nodes_end_the_job_before_training(tmp_path, np_, odd, layout):
+    """data.path may differ between ranks (node-local copies, hgsgc.cli.NODE_LOCAL_KEYS). A copy
+    with fewer training images on one node gave that rank fewer steps per epoch: it went on to
+    the evaluation's allreduce while the others were still training, and the job hung in Horovod
+    ('Missing ranks: 0: [HorovodAllreduce]') until killed (checked: 150 s timeout, 2 ranks). The
+    ranks now compare their data's size before the first collective that depends on it."""
+    small = _small_fashion_copy(tmp_path / "small")
+    base = ([PY, "-m", "hgsgc.cli", "train", "configs/fashion_mnist.yaml", f"layout={layout}",
+             "hourglass.fc_workers=1", "model.name=tiny", "train.epochs=1", "train.progress=false",
+             "train.threads=1", "data.test_limit=200", f"run.out_dir={tmp_path}", "run.id=x"])
+    cmd = MPIRUN + ["-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL"]
+    for r in range(np_):
+        cmd += (["-np", "1"] + base + ([f"data.path={small}"] if r == odd else [])
+                + ([":"] if r < np_ - 1 else []))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = _error_lines(p)
+    others = ",".join(str(r) for r in range(np_) if r != odd)
+    assert len(lines) == 1 and f"hgsgc: error (all {np_} ranks): DataError: the training data differs " \
+                               f"between ranks (60,000 training examples, 10 classes on rank{'s' if np_ > 2 else ''} " \
+                               f"{others} (/usr/share/datasets/fashion-mnist); 1,000 training examples, 10 " \
+                               f"classes on rank {odd} ({small}))" in lines[0], p.stderr[-3000:]
+    assert "epoch 1/" not in p.stdout

@@ -254,7 +254,7 @@ def run(cfg, log=print) -> dict:
     from hgsgc import checkpoint as ckpt
     from hgsgc import config as config_mod
     from hgsgc.faults import configure_stall_check, world_comm
-    from hgsgc.tasks import make_task
+    from hgsgc.tasks import check_same_data, make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before Layout initialises Horovod
     from hgsgc.hourglass.layout import Layout
@@ -268,6 +268,7 @@ def run(cfg, log=print) -> dict:
         tf.config.experimental.enable_op_determinism()
     ckpt_comm = world_comm()
     task = make_task(cfg)  # DataError on every rank (FC ranks too) before any collective
+    check_same_data(task, ckpt_comm, cfg)  # node-local copies of another size: one line, not a hang
     model = task.build_model()
     split = split_model(model, cfg.hourglass.split_layer)  # SplitError on every rank
     b = cfg.train.batch_size
