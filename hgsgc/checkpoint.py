@@ -215,11 +215,20 @@ def read_manifest(path: str) -> dict:
     try:
         with open(mpath, "rb") as f:
             man = json.loads(f.read().decode())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        if os.path.isfile(path):
+            raise CheckpointError(f"checkpoint.resume={path} is a file: give the checkpoint's folder "
+                                  f"({os.path.dirname(os.path.abspath(path))})") from None
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint {path} does not exist: check checkpoint.resume (a "
                                   f"checkpoint folder such as <checkpoint.dir>/step-00000100, or auto "
                                   f"or never)") from None
+        if list_checkpoints(path):  # the checkpoint.dir itself, not one of its step folders
+            newest = latest(path)
+            raise CheckpointError(
+                f"checkpoint.resume={path} is the checkpoint folder, not one checkpoint: give one of "
+                f"its step folders ({f'the newest complete one is {newest}' if newest else 'none is complete'}"
+                f"), or checkpoint.dir={path} with checkpoint.resume=auto") from None
         raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete "
                               f"(its writer stopped half-way)") from None
     except (OSError, ValueError) as exc:

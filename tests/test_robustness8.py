@@ -487,3 +487,28 @@ def test_data_copies_that_differ_between_nodes_end_the_job_before_training(tmp_p
                                f"{others} (/usr/share/datasets/fashion-mnist); 1,000 training examples, 10 " \
                                f"classes on rank {odd} ({small}))" in lines[0], p.stderr[-3000:]
     assert "epoch 1/" not in p.stdout
+
+
+# ------------------------------------------------------------------ checkpoint.resume pointing at the wrong thing
+def test_resume_from_the_checkpoints_folder_or_a_file_says_what_to_give(tmp_path):
+    """checkpoint.resume=<the checkpoint.dir itself> said '... has no manifest.json: the checkpoint
+    is incomplete (its writer stopped half-way)', and =<a rank file> said it 'does not exist':
+    both sent the user looking for a damaged checkpoint."""
+    from hgsgc import checkpoint as ckpt
+
+    run = {"world_size": 1, "model": "tiny"}
+    d = tmp_path / "ck"
+    for step in (2, 4):
+        path = _ckpt(d, step)
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint.resume={d} is the checkpoint folder, not one "
+                                                   f"checkpoint: give one of its step folders \\(the newest "
+                                                   f"complete one is {path}\\), or checkpoint.dir={d} with "
+                                                   f"checkpoint.resume=auto"):
+        ckpt.resolve(str(tmp_path / "elsewhere"), str(d), run)
+    f = os.path.join(path, "rank-00000.npz")
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint.resume={f} is a file: give the checkpoint's "
+                                                   f"folder \\({path}\\)"):
+        ckpt.resolve(str(d), f, run)
+    (tmp_path / "empty").mkdir()  # a folder with neither: as before
+    with pytest.raises(ckpt.CheckpointError, match="has no manifest.json: the checkpoint is incomplete"):
+        ckpt.resolve(str(d), str(tmp_path / "empty"), run)
