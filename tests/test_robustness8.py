@@ -512,3 +512,17 @@ def test_resume_from_the_checkpoints_folder_or_a_file_says_what_to_give(tmp_path
     (tmp_path / "empty").mkdir()  # a folder with neither: as before
     with pytest.raises(ckpt.CheckpointError, match="has no manifest.json: the checkpoint is incomplete"):
         ckpt.resolve(str(d), str(tmp_path / "empty"), run)
+
+
+def test_fashion_mnist_images_of_another_size_are_a_data_error(tmp_path):
+    """IDX files of another image size (an MNIST-style 32x32 or 20x20 set put at data.path) loaded
+    and failed at the first step of every rank in the model's input layer, naming no file."""
+    from hgsgc.data import FILES, DataError, load_fashion_mnist
+
+    for key, stem in FILES.items():
+        n = 20
+        a = np.zeros((n, 32, 32) if key.endswith("images") else (n,), np.uint8)
+        head = bytes([0, 0, 8, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape)
+        (tmp_path / stem).write_bytes(head + a.tobytes())
+    with pytest.raises(DataError, match=f"{tmp_path}/train-images-idx3-ubyte: images are 32x32, Fashion-MNIST's are 28x28"):
+        load_fashion_mnist(str(tmp_path))

@@ -87,6 +87,10 @@ def load_fashion_mnist(path: str = DEFAULT_PATH, train_limit: int = 0, test_limi
         if xi.ndim != 3 or yi.ndim != 1:
             raise DataError(f"{files[f'{split}_images']}: expected images [N, 28, 28] and labels [N], "
                             f"got {xi.shape} and {yi.shape}")
+        if xi.shape[1:] != (28, 28):  # the model's input layer is 28x28x1
+            raise DataError(f"{files[f'{split}_images']}: images are {xi.shape[1]}x{xi.shape[2]}, "
+                            f"Fashion-MNIST's are 28x28: not Fashion-MNIST (data.format=fashion_mnist); "
+                            f"point data.path at the Fashion-MNIST files")
         if yi.size and int(yi.max()) >= NUM_CLASSES:
             raise DataError(f"{files[f'{split}_labels']}: label {int(yi.max())} outside 0..{NUM_CLASSES - 1} "
                             f"(corrupt file? reinstall dataset-fashion-mnist)")
