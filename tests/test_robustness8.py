@@ -526,3 +526,26 @@ def test_fashion_mnist_images_of_another_size_are_a_data_error(tmp_path):
         (tmp_path / stem).write_bytes(head + a.tobytes())
     with pytest.raises(DataError, match=f"{tmp_path}/train-images-idx3-ubyte: images are 32x32, Fashion-MNIST's are 28x28"):
         load_fashion_mnist(str(tmp_path))
+
+
+# ------------------------------------------------------------------ layout: auto and a requeued job
+@pytest.mark.mpi
+def test_requeued_layout_auto_job_resumes_the_layout_of_its_checkpoint(tmp_path):
+    """layout: auto measured and chose again when a preempted job was requeued; the choice is
+    noisy (docs/hourglass.md: identical jobs 1.26-1.68x apart), and any other choice than the
+    checkpoint's (data parallel vs Hourglass, or another fc_workers) was refused as 'written by a
+    different run': the requeued job failed. auto now takes the layout of the checkpoint the
+    runner will resume, without measuring. Here the checkpoint holds Hourglass with 2 FC ranks of
+    4 (half the ranks on a 97 % conv tiny model: auto does not choose it here)."""
+    base = (["train", "configs/fashion_mnist.yaml"] + TINY
+            + [f"run.out_dir={tmp_path}", "run.id=q", "hourglass.link_bandwidth_mbps=1000"])
+    p = _hgsgc(base + ["layout=hourglass", "hourglass.fc_workers=2"], np_=4)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    q = _hgsgc(base + ["layout=auto", "train.epochs=2"], np_=4, timeout=400)
+    assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
+    ck = tmp_path / "q" / "checkpoints" / "step-00000002"
+    assert (f"layout auto -> hourglass with 2 FC ranks (the layout of the checkpoint being resumed, {ck})"
+            in q.stdout), q.stdout[-3000:]
+    assert f"hgsgc: resuming from {ck} (step 2)" in q.stdout and "epoch 2/2" in q.stdout
+    summary = json.load(open(tmp_path / "q" / "summary.json"))
+    assert summary["layout_setting"] == "auto" and summary["layout_choice"]["fc_workers"] == 2

@@ -527,31 +527,40 @@ def _on_every_rank(comm, what: str, measure):
     return [v for v, _ in gathered]
 
 
-def run(cfg, run_layout, log=print) -> dict:
-    """``layout: auto``: :func:`choose`, then run the chosen layout with ``run_layout(cfg, log=)``
-    (``hgsgc.train.run``, passed in so this module does not import the runner); the summary
-    (and rank 0's ``summary.json``) gets ``layout_setting: "auto"`` and ``layout_choice`` (the
-    inputs, every prediction, the choice). A model without a conv/FC boundary runs data-parallel
-    without measuring (the reason is logged and recorded).
+def checkpoint_layout(cfg, world):
+    """``(layout, fc_workers or None, folder)`` of the checkpoint the runner will resume
+    (``checkpoint.resume``: auto, the newest complete one in the run's checkpoint folder; or the
+    folder given), or None; rank 0 reads the manifest, every rank gets the same answer.
+
+    A requeued ``layout: auto`` job measured and chose again; the choice is noisy, and any other
+    layout or ``fc_workers`` than the checkpoint's was refused as another run's, so the requeued
+    job failed. Problems with the checkpoint itself are left to the runner's resume, which
+    reports them.
     """
-    import dataclasses
-    import json
     import os
 
-    from mpi4py import MPI
+    from hgsgc import checkpoint as ckpt
 
+    found, k = None, cfg.checkpoint
+    if world.Get_rank() == 0 and k.resume != "never":
+        d = k.dir or (os.path.join(cfg.run.out_dir, cfg.run.id, "checkpoints") if cfg.run.id else None)
+        try:
+            path = (ckpt.latest(d) if d else None) if k.resume == "auto" else k.resume
+            run = ckpt.read_manifest(path).get("run", {}) if path else {}
+            if run.get("layout") == "hourglass":
+                found = ("hourglass", len(run["roles"]["fc"]), path)
+            elif run.get("layout") == "data_parallel":
+                found = ("data_parallel", None, path)
+        except (ckpt.CheckpointError, KeyError, TypeError):
+            found = None
+    return world.bcast(found, root=0)
+
+
+def _measure_and_choose(cfg, world, log) -> dict:
+    """:func:`run`'s choice for a run that resumes no checkpoint."""
     from hgsgc.hourglass.split import SplitError, split_model
-    from hgsgc.loop import setup_threads
-    from hgsgc.tasks import make_task
-
-    world = MPI.COMM_WORLD
-    setup_threads(cfg.train.threads)
-    import tensorflow as tf
-
-    tf.keras.utils.set_random_seed(cfg.run.seed)
-    # the configured task's data and model (format, width, input shape, classes), as the runners
-    # build them; a DataError here is raised on every rank, before any collective
     from hgsgc.models import why_no_boundary
+    from hgsgc.tasks import make_task
 
     task = make_task(cfg)
     try:
@@ -566,10 +575,44 @@ def run(cfg, run_layout, log=print) -> dict:
                   "reason": reason if split is None else "one rank: no Hourglass layout possible"}
         if world.Get_rank() == 0:
             log(f"layout auto -> data_parallel ({report['reason']})")
+        return report
+    batches, _ = task.train_data(0, 1, 0)  # the first training batch of epoch 0 (every rank the same)
+    x = np.asarray(next(iter(batches))[0], dtype=np.float32)
+    return choose(world, split, x, cfg, log=log)
+
+
+def run(cfg, run_layout, log=print) -> dict:
+    """``layout: auto``: :func:`choose`, then run the chosen layout with ``run_layout(cfg, log=)``
+    (``hgsgc.train.run``, passed in so this module does not import the runner); the summary
+    (and rank 0's ``summary.json``) gets ``layout_setting: "auto"`` and ``layout_choice`` (the
+    inputs, every prediction, the choice). A model without a conv/FC boundary runs data-parallel
+    without measuring (the reason is logged and recorded).
+    """
+    import dataclasses
+    import json
+    import os
+
+    from mpi4py import MPI
+
+    from hgsgc.loop import setup_threads
+
+    world = MPI.COMM_WORLD
+    setup_threads(cfg.train.threads)
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(cfg.run.seed)
+    # the configured task's data and model (format, width, input shape, classes), as the runners
+    # build them (_measure_and_choose); a DataError there is raised on every rank, before any
+    # collective
+    resumed = checkpoint_layout(cfg, world)
+    if resumed is not None:  # a requeued job: the layout its checkpoint was written by
+        lay, fc, path = resumed
+        report = {"layout": lay, "fc_workers": fc,
+                  "reason": f"the layout of the checkpoint being resumed, {path}"}
+        if world.Get_rank() == 0:
+            log(f"layout auto -> {lay}{f' with {fc} FC ranks' if fc else ''} ({report['reason']})")
     else:
-        batches, _ = task.train_data(0, 1, 0)  # the first training batch of epoch 0 (every rank the same)
-        x = np.asarray(next(iter(batches))[0], dtype=np.float32)
-        report = choose(world, split, x, cfg, log=log)
+        report = _measure_and_choose(cfg, world, log)
     h = cfg.hourglass
     if report["layout"] == "hourglass":
         chosen = dataclasses.replace(cfg, layout="hourglass",
