@@ -114,9 +114,11 @@ def test_ratio_rows_time_to_target():
         {"method": "fp16", "bandwidth": "10mbit", "step_s": 10.0, "steps": 240, "epoch": 5, "eval_s": 20.0},
         {"method": "sgc", "bandwidth": "10mbit", "step_s": 1.0, "steps": 288, "epoch": 6, "eval_s": 20.0}]}}
     rows = [{"method": "fp16", "role": "dense", "hosts": 4, "bandwidth": "10mbit", "dilation_factor": 1.0,
-             "measured_step_s": 10.0, "adjusted_step_s": 10.012, "adjusted_step_ceiling_s": 10.012, "full_epoch_steps": 1},
+             "measured_step_s": 10.0, "adjusted_step_s": 10.012, "adjusted_step_ceiling_s": 10.012, "adjusted_step_small_only_s": 10.0,
+             "full_epoch_steps": 1},
             {"method": "sgc", "role": "ours", "hosts": 4, "bandwidth": "10mbit", "dilation_factor": 1.0,
-             "measured_step_s": 1.0, "adjusted_step_s": 1.012, "adjusted_step_ceiling_s": 1.012, "full_epoch_steps": 1}]
+             "measured_step_s": 1.0, "adjusted_step_s": 1.012, "adjusted_step_ceiling_s": 1.012, "adjusted_step_small_only_s": 1.0,
+             "full_epoch_steps": 1}]
     out = {r["method"]: r for r in ba.ratio_rows(d, rows)}
     before, after = out["sgc"]["ratios"]["measured_step_s"], out["sgc"]["ratios"]["adjusted_step_s"]
     assert before["value"] == pytest.approx(288 * 1.0 + 120.0) and after["value"] == pytest.approx(288 * 1.012 + 120.0)
@@ -143,3 +145,16 @@ def test_committed_clean_2h_sgc_d1():
     assert r4["hidden_per_step_s"] == pytest.approx(0.002 * 10 / 39, rel=1e-9)
     g = by[("sgc_d1", "1gbit")]  # 24,964 B at 1 Gbit/s, all in the 250 kB bucket
     assert g["hidden_per_step_s"] == pytest.approx(24964 / (125e6 * 1448 / 1514), rel=1e-9)
+
+
+def test_small_exchanges_only_variant():
+    # the other side of the bracket: an exchange above 1.25 buckets hides nothing
+    conv, fc = _roles(10000, 10000, 0, 0, 30000, 30000)   # FC messages 30,000 / (3 x 1) = 10,000 B
+    assert ba.hourglass_hidden_s("100mbit", conv, fc, 1, 3, 1, small_only=True) == pytest.approx(
+        (10000 + 10000 + BURST_100 + BURST_100) / BETA_100, rel=1e-12)
+    conv, fc = _roles(40000, 0, 0, 0, 0, 0)               # one 40,000 B message > 1.25 x 23,910
+    assert ba.hourglass_hidden_s("100mbit", conv, fc, 1, 3, 1, small_only=True) == 0.0
+    d, rows = ba.adjust_file(os.path.join(ROOT, "docs", "benchmarks", "clean_2h.json"), {})
+    by = {(r["method"], r["bandwidth"]): r for r in rows}
+    assert by[("sgc_d1", "100mbit")]["hidden_per_step_small_only_s"] == pytest.approx(0.002, rel=1e-9)
+    assert by[("topk", "100mbit")]["hidden_per_step_small_only_s"] == 0.0    # 57,882 B

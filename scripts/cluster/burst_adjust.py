@@ -36,7 +36,13 @@ fuses and starts allreduces during the backward pass; the emulated step already 
 bytes' veth time). ``per_collective``: the ceiling when the bucket also refills between the
 collectives of one exchange (PowerSGD's two allreduces, TernGrad's two, ``buckets=2``): each
 collective hides up to ``burst``. Hourglass cells (point-to-point boundary messages, per-role
-counts only): :func:`hourglass_hidden_s`, a cruder bound.
+counts only): :func:`hourglass_hidden_s`, a cruder bound. ``small_only``: the other side of the
+bracket, where an exchange larger than :data:`HIDE_UP_TO_BUCKETS` buckets hides nothing (the probe
+below saw larger exchanges hide much less than a bucket: the TCP sender sets their pace).
+
+``--probe RATE --pin`` measures the premise instead (root; hold /work/coord/cluster.lock): a
+pairwise ``Sendrecv`` of each ``--sizes`` after an idle ``--gap`` and back to back on 2 emulated
+hosts (docs/benchmarks/burst_adjusted_probe_*.json).
 
     .venv/bin/python scripts/cluster/burst_adjust.py --json docs/benchmarks/burst_adjusted.json \\
         --md docs/benchmarks/burst_adjusted.md
@@ -57,6 +63,14 @@ FILES = ["ptb_4h_ttt", "ptb_4h_ttt_testend", "ptb_4h_ttt_testend_run2", "ptb_4h_
          "clean_2h_buckets_r1", "clean_2h_buckets_r2", "clean_2h_buckets_r3", "clean_2h_buckets_r4",
          "fmnist_4h", "fmnist_4h_hourglass", "cifar_alexnet_4h_hourglass",
          "cifar_alexnet_4h_hourglass_auto_s7_baselines_r1", "cifar_alexnet_4h_hourglass_auto_s7_baselines_r2"]
+
+
+#: The largest exchange, in buckets, that the probe (``--probe``, pinned ranks; docs/benchmarks.md,
+#: "The tbf bucket, charged") saw hide most of a bucket: at 100 Mbit/s 26 / 30 kB (1.1 / 1.25
+#: buckets) hid 1.35 / 1.65 ms of the 2 ms, 50 kB at most 0.4 ms, 100 kB nothing; at 10 Mbit/s
+#: 18 kB (1.24 buckets) 11.9 of 12.1 ms, 25 / 50 / 100 kB 8.3 / 6.2 / 3.8 ms. The "small exchanges
+#: only" variant lets larger exchanges hide nothing: the other side of the bracket.
+HIDE_UP_TO_BUCKETS = 1.25
 
 
 def links(rate):
@@ -113,7 +127,7 @@ def idle_per_exchange_s(step_s, delay, timed_steps, busy):
     return max(0.0, int(delay) * (float(step_s) - sum(busy) / int(timed_steps)))
 
 
-def hourglass_hidden_s(rate, conv, fc, micro_batches, conv_ranks, delay, per_message=False):
+def hourglass_hidden_s(rate, conv, fc, micro_batches, conv_ranks, delay, per_message=False, small_only=False):
     """Wire seconds per step the bucket can hide in a 1-FC-rank Hourglass cell, from its per-role
     byte counts (``conv``, ``fc``: a cell's ``roles`` entries, per step per rank).
 
@@ -126,15 +140,23 @@ def hourglass_hidden_s(rate, conv, fc, micro_batches, conv_ranks, delay, per_mes
     micro_batches`` on the FC link: the ceiling). The exchange part is ``min(burst, its bytes per
     exchange) / delay``. The sum is charged serially at the payload rate, although a byte crosses
     two of the buckets (CONV egress, then FC ingress) in the same pipeline: an upper bound.
+    ``small_only``: a term whose messages are larger than :data:`HIDE_UP_TO_BUCKETS` buckets
+    (boundary: the bucket's bytes per message; exchange: its bytes per exchange) hides nothing.
     """
     real, tbf = links(rate)
     b, h, m = tbf.burst_bytes, max(1, int(delay)), int(micro_batches)
     conv_cap, fc_cap = (m * b, conv_ranks * m * b) if per_message else (b, b)
     ex_s, ex_r = conv["exchange_bytes_sent_per_step_per_rank"], conv["exchange_bytes_received_per_step_per_rank"]
-    hidden = (min(conv["activation_bytes_sent_per_step_per_rank"], conv_cap) + min(b, ex_s * h) / h
-              + min(conv["activation_grad_bytes_received_per_step_per_rank"], conv_cap) + min(b, ex_r * h) / h
-              + min(fc["activation_bytes_received_per_step_per_rank"], fc_cap)
-              + min(fc["activation_grad_bytes_sent_per_step_per_rank"], fc_cap))
+    big = HIDE_UP_TO_BUCKETS * b
+
+    def term(nbytes, cap, messages):
+        return 0.0 if small_only and nbytes / messages > big else min(nbytes, cap)
+
+    hidden = (term(conv["activation_bytes_sent_per_step_per_rank"], conv_cap, m)
+              + term(conv["activation_grad_bytes_received_per_step_per_rank"], conv_cap, m)
+              + term(ex_s * h, b, 1) / h + term(ex_r * h, b, 1) / h
+              + term(fc["activation_bytes_received_per_step_per_rank"], fc_cap, conv_ranks * m)
+              + term(fc["activation_grad_bytes_sent_per_step_per_rank"], fc_cap, conv_ranks * m))
     return hidden / real.beta_Bps
 
 
@@ -216,6 +238,7 @@ def adjust_file(path, shapes_of):
             row.update(kind="hourglass", micro_batches=cfg.hourglass.micro_batches,
                        hidden_per_step_s=hourglass_hidden_s(*args_),
                        hidden_per_step_ceiling_s=hourglass_hidden_s(*args_, per_message=True),
+                       hidden_per_step_small_only_s=hourglass_hidden_s(*args_, small_only=True),
                        bytes_per_exchange=None, delay=int(args_[-1]))
         else:
             cfg, exchanges, timed, shapes = cell_exchanges(cell, shapes_of)
@@ -224,6 +247,8 @@ def adjust_file(path, shapes_of):
             per = [hidden_per_exchange(k, tr, rate, idle) for _, tr in exchanges]
             hid = sum(p["hidden_s"] for p in per) / len(timed)
             ceil = sum(p["hidden_per_collective_s"] for p in per) / len(timed)
+            big = HIDE_UP_TO_BUCKETS * links(rate)[1].burst_bytes
+            small = sum(p["hidden_s"] for p in per if p["bytes"] <= big) / len(timed)
             first = exchanges[-1][1]  # the steady state (after any warm-up)
             sent = sum(costs.ompi_collective_cost("allreduce" if a == "ring" else "allgatherv", k, b)["bytes"]
                        if a in ("ring", "allgather") else costs.exchange_bytes(k, b, a) for a, b in first.collectives)
@@ -232,7 +257,7 @@ def adjust_file(path, shapes_of):
                        bytes_per_exchange=per[-1]["bytes"], exchanges_timed=len(exchanges), timed_steps=len(timed),
                        bucket_bytes=per[-1]["bucket_bytes"], idle_s=idle,
                        hidden_per_exchange_s=per[-1]["hidden_s"], hidden_per_step_s=hid,
-                       hidden_per_step_ceiling_s=ceil,
+                       hidden_per_step_ceiling_s=ceil, hidden_per_step_small_only_s=small,
                        model_sent_per_step_per_rank=sum(p["bytes"] for p in per) / int(cell["steps"])
                        * (len(exchanges) + (1 if h == 1 else 0)) / len(exchanges) if exchanges else 0.0,
                        steady_sent_per_exchange=sent)
@@ -242,6 +267,7 @@ def adjust_file(path, shapes_of):
                                f"per step per rank")
         row["adjusted_step_s"] = step + row["hidden_per_step_s"]
         row["adjusted_step_ceiling_s"] = step + row["hidden_per_step_ceiling_s"]
+        row["adjusted_step_small_only_s"] = step + row["hidden_per_step_small_only_s"]
         co = (d.get("compute_only") or {}).get(cell["method"]) or {}
         if co.get("status") == "ok":
             row["compute_only_s"] = co["mean_step_time_s"]
@@ -271,7 +297,7 @@ def ratio_rows(d, rows):
                 return t["steps"] * step + t["epoch"] * t["eval_s"]
             return r[key] * (r["full_epoch_steps"] or 1)
 
-        for key in ("measured_step_s", "adjusted_step_s", "adjusted_step_ceiling_s"):
+        for key in ("measured_step_s", "adjusted_step_s", "adjusted_step_ceiling_s", "adjusted_step_small_only_s"):
             vals = {r["method"]: metric(r, key) for r in rs}
             dense = [v for r in rs if r["role"] == "dense" and (v := vals[r["method"]])]
             base = [(v, r["method"]) for r in rs if r["role"] in ("dense", "baseline") and (v := vals[r["method"]])]
@@ -309,20 +335,25 @@ larger: the ceiling with a refill before every collective, or for the Hourglass 
 boundary message), the measured mean step, the adjusted step (measured + hidden: an upper bound
 on a real link's step), and the bench's ratios before -> after, every cell of the group adjusted:
 time per epoch this / other (< 1 = faster), time to target other / this (> 1 = sooner, as the
-bench prints it), step / compute-only step (alone). Load: the 1-minute load average when the
-cell started.
+bench prints it), step / compute-only step (alone). "Small exchanges only": the other side of
+the bracket, where an exchange larger than 1.25 buckets hides nothing (the probe: larger ones
+hid much less than a bucket). Load: the 1-minute load average when the cell started.
 
 """
 
 
 def markdown(rows):
     lines = ["| cell | B/exchange (busiest rank) | hidden ms/step (ceiling) | measured ms | adjusted ms | "
-             "metric | vs dense | vs best baseline | vs compute-only | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "metric | vs dense | vs best baseline | vs compute-only | small exchanges only: hidden ms, "
+             "vs dense, vs best baseline, vs compute-only | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ratios" not in r:
             continue
-        a, b = r["ratios"]["measured_step_s"], r["ratios"]["adjusted_step_s"]
+        a, b, c = (r["ratios"][k] for k in ("measured_step_s", "adjusted_step_s", "adjusted_step_small_only_s"))
+        f2 = lambda v: "-" if v is None else f"{v:.2f}x" if v < 10 else f"{v:.1f}x"
+        so = (f"{r['hidden_per_step_small_only_s'] * 1e3:.2f}, {f2(c['vs_dense'])}, {f2(c['vs_best_baseline'])}, "
+              f"{f2(c['vs_compute_only'])}")
         vs = lambda key: _x(a[key], b[key])
         hid = f"{r['hidden_per_step_s'] * 1e3:.2f}"
         if abs(r["hidden_per_step_ceiling_s"] - r["hidden_per_step_s"]) > 1e-6:
@@ -332,11 +363,11 @@ def markdown(rows):
         rate = r["bandwidth"] + (f" (ran at {r['link_rate']})" if r["link_rate"] != r["bandwidth"] else "")
         lines.append(f"| `{r['file']}` {r['method']} {r['hosts']}h {rate} | {nbytes} | {hid} | "
                      f"{_ms(r['measured_step_s'])} | {_ms(r['adjusted_step_s'])} | {a['metric']} | {vs('vs_dense')} | "
-                     f"{vs('vs_best_baseline')} | {vs('vs_compute_only')} | {r['load_before']} |")
+                     f"{vs('vs_best_baseline')} | {vs('vs_compute_only')} | {so} | {r['load_before']} |")
     return "\n".join(lines)
 
 
-def probe_rank(sizes, rounds, gap_s):
+def probe_rank(sizes, rounds, gap_s, pin=False):
     """One rank of the probe (run under mpirun on 2 emulated hosts): for each payload size, timed
     pairwise ``Sendrecv`` rounds (both ranks send ``size`` bytes to each other at once, as a
     2-rank allgather does), after a barrier and ``gap_s`` of idle link (the bucket refills: 2 ms
@@ -350,6 +381,8 @@ def probe_rank(sizes, rounds, gap_s):
 
     comm = MPI.COMM_WORLD
     rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
+    if pin:  # each rank on its own core (as the clean cells: hgsgc.runtime.pin_to_core)
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     out = []
     for size in sizes:
         sbuf, rbuf = np.ones(max(1, size), np.uint8)[:size], np.empty(max(1, size), np.uint8)[:size]
@@ -371,7 +404,7 @@ def probe_rank(sizes, rounds, gap_s):
         print(json.dumps(out), flush=True)
 
 
-def probe(bandwidth, sizes, rounds, gap_s, prefix="hgtbprobe"):
+def probe(bandwidth, sizes, rounds, gap_s, prefix="hgtbprobe", pin=False):
     """The probe on a fresh 2-host emulated cluster at ``bandwidth`` (root; hold
     /work/coord/cluster.lock or the like around it), with Open MPI's TCP ``put`` removed. Returns
     the rows with the bucket's prediction (``max(0, bytes - burst) / rate``) and the real link's
@@ -382,7 +415,7 @@ def probe(bandwidth, sizes, rounds, gap_s, prefix="hgtbprobe"):
     with EmulatedCluster(2, bandwidth, prefix) as c:
         p = c.mpirun(["--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum", sys.executable,
                       os.path.abspath(__file__), "--probe-rank", "--sizes", *map(str, sizes),
-                      "--rounds", str(rounds), "--gap", str(gap_s)])
+                      "--rounds", str(rounds), "--gap", str(gap_s)] + (["--pin"] if pin else []))
     rows = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("[")][-1])
     for r in rows:
         r["bucket_model_s"] = max(0.0, r["size"] - tbf.burst_bytes) / tbf.beta_Bps if r["gap_s"] else None
@@ -404,13 +437,17 @@ def main(argv=None):
     ap.add_argument("--sizes", nargs="+", type=int, default=[0, 10000, 20000, 30000, 50000, 100000, 200000])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--gap", type=float, default=0.05)
+    ap.add_argument("--pin", action="store_true", help="probe: each rank on its own core")
     args = ap.parse_args(argv)
     if args.probe_rank:
-        probe_rank(args.sizes, args.rounds, args.gap)
+        probe_rank(args.sizes, args.rounds, args.gap, args.pin)
         return 0
     if args.probe:
+        import datetime
         load = open("/proc/loadavg").read().split()[:3]
-        res = probe(args.probe, args.sizes, args.rounds, args.gap)
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        res = probe(args.probe, args.sizes, args.rounds, args.gap, pin=args.pin)
+        res["pinned"], res["started_utc"] = args.pin, started
         res["load_before"], res["load_after"] = load, open("/proc/loadavg").read().split()[:3]
         for r in res["rows"]:
             bm = "-" if r["bucket_model_s"] is None else f"{r['bucket_model_s'] * 1e3:.3f}"
