@@ -375,6 +375,11 @@ def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
                                                             "fc_parameters") if k in s.get("hourglass", {})}
     if "profile" in s:  # Hourglass: measured seconds per step in each phase, per role
         rec["profile"] = s["profile"]
+    if s.get("thread_cpu"):  # CPU per timed step of each thread group, every rank (hgsgc.bench_threads)
+        rec["thread_cpu"] = s["thread_cpu"]
+        rec["hvd_mpi_cpu_s_per_step"] = s["thread_cpu"]["hvd_mpi_cpu_s_per_step"]["mean"]
+        rec["hvd_mpi_cpu_s_per_step_max_rank"] = s["thread_cpu"]["hvd_mpi_cpu_s_per_step"]["max"]
+        rec["thread_cpu_s_per_step"] = {g: v["mean_cpu_s_per_step"] for g, v in s["thread_cpu"]["groups"].items()}
     return rec
 
 
@@ -588,6 +593,10 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
         rec["mean_step_time_s"] = sum(r["mean_step_time_s"] for r in runs) / copies
         rec["step_times_s"] = [r["mean_step_time_s"] for r in runs]
         rec.update({k: runs[0][k] for k in ("steps", "final_test_accuracy", "wall_time_s")})
+        if all(r.get("thread_cpu_s_per_step") for r in runs):  # CPU per timed step per thread group
+            rec["thread_cpu_s_per_step"] = {g: sum(r["thread_cpu_s_per_step"][g] for r in runs) / copies
+                                            for g in runs[0]["thread_cpu_s_per_step"]}
+            rec["hvd_mpi_cpu_s_per_step"] = sum(r["hvd_mpi_cpu_s_per_step"] for r in runs) / copies
         rec["status"] = "ok"
     except subprocess.TimeoutExpired:
         rec["error"] = f"timeout after {spec['timeout_s']} s"
@@ -1040,6 +1049,27 @@ def markdown(results: dict) -> str:
                     b["compute_basis"],
                     _f(b["compression_s"] and b["compression_s"] * 1e3), _f(b["wire_s"] * 1e3),
                     _f(b["waiting_s"] * 1e3), _f(b["busiest_link_bytes_per_step"] / 1e3)]) + " |")
+            out.append("")
+        cpu_rows = [c for c in results["cells"] if (c["hosts"], c["bandwidth"]) == (h, bw)
+                    and c["status"] == "ok" and c.get("thread_cpu")]
+        if cpu_rows:
+            out += ["CPU per timed step of the rank process's threads (ms, mean over ranks, from "
+                    "/proc/<pid>/task/<tid>/schedstat; hgsgc.bench_threads: Horovod's background thread, "
+                    "Open MPI's and PMIx's progress threads, the main thread, the rest (TensorFlow's pools)); "
+                    "CPU seconds do not grow when a thread waits for a core, wall time does:", "",
+                    "| method | step ms (wall) | Horovod + MPI CPU ms/step (max rank) | Horovod background | "
+                    "Open MPI/PMIx | main | other (TF pools) | timed steps |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for c in cpu_rows:
+                g = c["thread_cpu"]["groups"]
+                ms = lambda x: _f(x * 1e3, "{:.2f}")
+                out.append("| " + " | ".join([
+                    c["method"], _f(c["mean_step_time_s"] * 1e3),
+                    f"{ms(c['thread_cpu']['hvd_mpi_cpu_s_per_step']['mean'])} "
+                    f"({ms(c['thread_cpu']['hvd_mpi_cpu_s_per_step']['max'])})",
+                    ms(g["hvd_background"]["mean_cpu_s_per_step"]), ms(g["mpi"]["mean_cpu_s_per_step"]),
+                    ms(g["main"]["mean_cpu_s_per_step"]), ms(g["other"]["mean_cpu_s_per_step"]),
+                    str(min(c["thread_cpu"]["steps"]))]) + " |")
             out.append("")
         prof = [c for c in results["cells"] if (c["hosts"], c["bandwidth"]) == (h, bw)
                 and c["status"] == "ok" and c.get("profile")]

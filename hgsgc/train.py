@@ -86,13 +86,17 @@ def run_data_parallel(cfg, log=print) -> dict:
     import tensorflow as tf
 
     import hgsgc
+    from hgsgc import bench_threads
     from hgsgc import checkpoint as ckpt
     from hgsgc import config as config_mod
     from hgsgc.faults import configure_stall_check, world_comm
     from hgsgc.tasks import check_same_data, make_task
 
     configure_stall_check(cfg.faults.stall_timeout_s)  # before hvd.init (Horovod reads it there)
+    thread_groups = bench_threads.ThreadGroups()  # which threads hvd.init() starts (Horovod, MPI)
+    thread_groups.before_init()
     hvd.init()
+    thread_groups.after_init()
     rank, size = hvd.rank(), hvd.size()
     is_root = rank == 0
     tf.keras.utils.set_random_seed(cfg.run.seed)
@@ -166,6 +170,9 @@ def run_data_parallel(cfg, log=print) -> dict:
     first_step_time = loop["first_step_time"]
     start_step = int(loop["global_step"])
     traced = False  # this process's first step traces the graph (also after a resume)
+    # CPU per timed step of each thread (Horovod's, MPI's, TensorFlow's): /proc, over the timed
+    # steps only (windows stop before a step that traces a graph and start after it)
+    step_cpu, win = bench_threads.StepCPU(thread_groups), 0
 
     def state_fn(epoch_losses=(), before=None):
         return {"model": ckpt.model_state(model),
@@ -189,6 +196,9 @@ def run_data_parallel(cfg, log=print) -> dict:
             bar = rlog.progress(epoch + 1, steps_per_epoch)
             losses = list(loop["losses"]) if resumed else []
             epoch_t0 = time.perf_counter()
+            if traced:
+                step_cpu.start()
+                win = 0
             for i, batch in enumerate(batches):
                 if i >= steps_per_epoch:
                     break
@@ -202,6 +212,8 @@ def run_data_parallel(cfg, log=print) -> dict:
                         current_density = want
                         train_step = new_step()
                         retrace = True
+                if retrace:
+                    step_cpu.stop(win)
                 t0 = time.perf_counter()
                 loss = float(train_step(batch))
                 if not traced:  # graph tracing: reported apart, not in the mean
@@ -210,12 +222,17 @@ def run_data_parallel(cfg, log=print) -> dict:
                         first_step_time = time.perf_counter() - t0
                 elif not retrace:
                     step_times.append(time.perf_counter() - t0)
+                    win += 1
+                if not step_cpu.running:  # after a traced step: the timed steps start
+                    step_cpu.start()
+                    win = 0
                 losses.append(loss)
                 step = total_steps + i + 1
                 rlog.step(step, epoch + 1, loss, lr_at(cfg.train, step - 1, steps_per_epoch, world_batch))
                 bar.update(i + 1, float(np.mean(losses[-50:])))
                 total_steps_now[0] = step
                 checkpointer.after_step(step, lambda: state_fn(losses, before), lambda: {"history": history})
+            step_cpu.stop(win)
             opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
             epoch_time = time.perf_counter() - epoch_t0
             total_steps += steps_per_epoch
@@ -255,6 +272,9 @@ def run_data_parallel(cfg, log=print) -> dict:
     finally:
         checkpointer.close()
     wall = t_end - t_start
+    mine = step_cpu.result() if step_cpu.steps else None
+    gathered = comm.gather(mine, root=0) if comm is not None else [mine]  # None on ranks > 0
+    thread_cpu = bench_threads.combine_ranks(gathered) if gathered is not None else None
 
     summary = {
         **summary_base(cfg, run_id, history, total_steps, size, cfg.layout, d, compression,
@@ -262,6 +282,8 @@ def run_data_parallel(cfg, log=print) -> dict:
         **byte_figures(stats.snapshot(), total_steps, size, grad_bytes),
         "global_batch_size": world_batch,
     }
+    if thread_cpu is not None:  # rank 0's gather (other ranks: None)
+        summary["thread_cpu"] = thread_cpu
     rlog.summary(summary, model)
     if is_root:
         key = "final_" + task.metric

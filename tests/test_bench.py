@@ -96,6 +96,20 @@ def test_outputs_and_fields(smoke):
         assert os.path.getsize(paths[k]) > 1000
 
 
+def test_thread_cpu_per_cell(smoke):
+    """Every ok cell records the CPU per timed step of the rank processes' threads (hgsgc.bench_threads):
+    4 steps, the first (graph tracing) not timed, so 3 timed steps on each of the 2 ranks."""
+    results, _ = smoke
+    for m in ("horovod_dense", "sgc"):
+        c = _cells(results)[m]
+        assert c["thread_cpu"]["steps"] == [3, 3]
+        assert c["hvd_mpi_cpu_s_per_step"] >= 0
+        assert c["hvd_mpi_cpu_s_per_step_max_rank"] >= c["hvd_mpi_cpu_s_per_step"]
+        assert set(c["thread_cpu_s_per_step"]) == {"main", "hvd_background", "mpi", "other"}
+        assert c["thread_cpu"]["groups"]["hvd_background"]["threads"] == [1, 1]
+    assert results["compute_only"]["horovod_dense"]["status"] == "ok"
+
+
 def test_broken_cell_recorded(smoke):
     results, _ = smoke
     c = _cells(results)["broken"]
