@@ -238,3 +238,60 @@ def test_bench_markdown_thread_cpu_table():
                "groups": [{"hosts": 2, "bandwidth": "100mbit", "dense": "-", "best_baseline": "-"}]}
     md = bench.markdown(results)
     assert "| sgc_d1 | 19.5 | 3.00 (3.50) | 2.50 | 0.50 | 11.00 | 2.00 | 3 |" in md
+
+
+def _validation():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "perfmodel_validation", os.path.join(ROOT, "scripts", "cluster", "perfmodel_validation.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hvd_mpi_cpu_term_exact():
+    v = _validation()
+    t = v.hvd_mpi_cpu_term(0.0030, 0.0005, 0.0010)
+    assert t["term_s"] == pytest.approx(0.0015, abs=1e-15)
+    assert t["naive_term_s"] == pytest.approx(0.0025, abs=1e-15)
+    assert (t["cell_s"], t["compute_only_s"], t["exchange_s"]) == (0.0030, 0.0005, 0.0010)
+    # the exchange's own polling covers it all: no term; a compute-only run without the record: 0
+    assert v.hvd_mpi_cpu_term(0.0030, 0.0005, 0.0100)["term_s"] == 0.0
+    assert v.hvd_mpi_cpu_term(0.0030, None, 0.0)["term_s"] == 0.0030
+    assert v.hvd_mpi_cpu_term(0.0001, 0.0005, 0.0)["naive_term_s"] == 0.0
+
+
+def test_validation_bench_row_adds_the_measured_term(tmp_path):
+    """One synthetic bench cell (SGC delay 1, 2 hosts, 100 Mbit/s): the row's prediction without
+    the term is unchanged, with it = that + max(0, cell CPU - compute-only CPU - wire - coordination)."""
+    from conftest import ROOT
+
+    v = _validation()
+    spec = {"name": "t", "overrides": ["train.epochs=1"], "mpi_args": [], "pin": True,
+            "methods": [{"name": "sgc_d1", "config": os.path.join(ROOT, "configs/fashion_mnist_sgc.yaml"),
+                         "overrides": ["compression.delay=1"], "mpi_args": [], "cell_overrides": []}]}
+    cell = {"method": "sgc_d1", "status": "ok", "hosts": 2, "bandwidth": "100mbit", "steps": 40,
+            "mean_step_time_s": 0.020, "load_before": [2.0, 2.0, 2.0], "load_after": [3.0, 3.0, 3.0],
+            "hvd_mpi_cpu_s_per_step": 0.004, "hvd_mpi_cpu_s_per_step_max_rank": 0.005}
+    d = {"name": "t", "spec": spec, "runtime": {"HOROVOD_CYCLE_TIME": "1"}, "cells": [cell],
+         "compute_only": {"sgc_d1": {"status": "ok", "mean_step_time_s": 0.012,
+                                     "hvd_mpi_cpu_s_per_step": 0.0005}}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(d))
+    (row,) = v.bench_rows(str(path), None)
+    base = dict(cell)
+    del base["hvd_mpi_cpu_s_per_step"], base["hvd_mpi_cpu_s_per_step_max_rank"]
+    path.write_text(json.dumps(dict(d, cells=[base])))
+    (row0,) = v.bench_rows(str(path), None)
+    assert row0["hvd_mpi_cpu"] is None
+    assert row["predicted"] == row0["predicted"] and row["error"] == row0["error"]
+    p, c = row["predicted"], row["hvd_mpi_cpu"]
+    exch = p["wire_s"] + p["coordination_s"]
+    assert c["exchange_s"] == exch and c["compute_only_recorded"] and c["cell_max_rank_s"] == 0.005
+    assert c["term_s"] == max(0.0, 0.004 - 0.0005 - exch)
+    assert c["predicted_cpu_term_s"] == p["step_s"] + c["term_s"]
+    assert c["error"] == c["predicted_cpu_term_s"] / 0.020 - 1
+    assert c["predicted_naive_cpu_term_s"] == p["step_s"] + (0.004 - 0.0005)

@@ -107,6 +107,29 @@ def in_step_compression_s(summary, rounds):
     return max(0.0, sum(tf(x) for x in rounds) / len(rounds) - tf("compute_no_hvd")) / 1e3
 
 
+def hvd_mpi_cpu_term(cell_cpu_s, compute_only_cpu_s, exchange_s):
+    """The measured Horovod/MPI CPU term of a bench cell (seconds per step), session 8.
+
+    ``cell_cpu_s``: the CPU per timed step of Horovod's background thread + Open MPI's and PMIx's
+    progress threads in the cell (``hvd_mpi_cpu_s_per_step``: mean over ranks, /proc schedstat,
+    hgsgc.bench_threads); ``compute_only_cpu_s``: the same in the cell's compute-only run (its
+    Horovod thread also runs, in a world of one, and that run's step is the compute input, so that
+    CPU is in the prediction already; 0 when not recorded); ``exchange_s``: the model's wire +
+    coordination per step. While the exchange runs the TensorFlow threads wait and Horovod's thread
+    polls Open MPI (``yield_when_idle``: it spins, yielding), so up to ``exchange_s`` of that CPU is
+    the exchange's own time, already predicted. The rest ran beside the compute on the rank's
+    core(s) and delays it by as much:
+
+        term = max(0, cell - compute_only - exchange)
+
+    Returns ``{"cell_s", "compute_only_s", "exchange_s", "term_s", "naive_term_s"}`` (``naive``:
+    ``max(0, cell - compute_only)``, every second of that CPU charged, shown beside it)."""
+    extra = float(cell_cpu_s) - float(compute_only_cpu_s or 0.0)
+    return {"cell_s": float(cell_cpu_s), "compute_only_s": float(compute_only_cpu_s or 0.0),
+            "exchange_s": float(exchange_s), "term_s": max(0.0, extra - float(exchange_s)),
+            "naive_term_s": max(0.0, extra)}
+
+
 def bench_rows(path, calibration, overhead_s=None, tbf=True):
     """Predicted vs measured step time of every ok cell of an ``hgsgc bench`` result JSON.
 
@@ -186,7 +209,18 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
             p = {"compute_s": compute, "compression_s": 0.0, "wait_s": 0.0, **acc}
             p["step_s"] = sum(p.values())
         meas = cell["mean_step_time_s"]
-        rows.append({"run": f"{os.path.splitext(os.path.basename(path))[0]}:{cell['method']}@{k}h/{bw}",
+        cpu = None
+        if cell.get("hvd_mpi_cpu_s_per_step") is not None:  # session 8: measured in the cell's run
+            co = (shared if basis == "shared" else alone).get("hvd_mpi_cpu_s_per_step")
+            cpu = hvd_mpi_cpu_term(cell["hvd_mpi_cpu_s_per_step"], co, p["wire_s"] + p["coordination_s"])
+            cpu["compute_only_recorded"] = co is not None
+            cpu["cell_max_rank_s"] = cell.get("hvd_mpi_cpu_s_per_step_max_rank")
+            for key, t in (("predicted_cpu_term_s", cpu["term_s"]), ("predicted_naive_cpu_term_s", cpu["naive_term_s"])):
+                cpu[key] = p["step_s"] + t
+            cpu["error"] = cpu["predicted_cpu_term_s"] / meas - 1
+            cpu["error_naive"] = cpu["predicted_naive_cpu_term_s"] / meas - 1
+        rows.append({"hvd_mpi_cpu": cpu,
+                     "run": f"{os.path.splitext(os.path.basename(path))[0]}:{cell['method']}@{k}h/{bw}",
                      "kind": f"bench cell ({k} hosts, {'pinned' if spec.get('pin') else 'unpinned'})",
                      "method": cell["method"], "delay": int(cfg.compression.delay), "bandwidth": bw, "hosts": k,
                      "samples": False, "tuned": tuned, "compute_basis": basis,
@@ -330,6 +364,30 @@ def main(argv=None):
             within = sum(e <= 0.15 for e in errs)
             lines.append(f"{label}: {len(sel)} cells: |error| {100 * errs[0]:.0f}-{100 * errs[-1]:.0f} %, median "
                          f"{100 * errs[len(errs) // 2]:.0f} %; within 15 %: {within} of {len(sel)}.  ")
+    cpu_rows = [x for x in rows if x.get("hvd_mpi_cpu")]
+    if cpu_rows:
+        lines += ["", "Cells with the measured Horovod/MPI CPU (session 8, :func:`hvd_mpi_cpu_term`; ms per step; "
+                  "`cell` / `compute-only` = CPU of Horovod's background thread + Open MPI's and PMIx's "
+                  "progress threads, mean over ranks; `exchange` = predicted wire + coordination):", "",
+                  "| cell | loadavg | measured ms | predicted ms (no term) | error | cell CPU | compute-only CPU "
+                  "| exchange | term | predicted with term | error | naive term | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in cpu_rows:
+            c = x["hvd_mpi_cpu"]
+            lines.append(f"| `{x['run']}` | {_load_range(x['load'])} | {x['measured_step_s'] * 1e3:.1f} | "
+                         f"{x['predicted']['step_s'] * 1e3:.1f} | {100 * x['error']:+.0f} % | {c['cell_s'] * 1e3:.2f} | "
+                         f"{c['compute_only_s'] * 1e3:.2f} | {c['exchange_s'] * 1e3:.2f} | {c['term_s'] * 1e3:.2f} | "
+                         f"{c['predicted_cpu_term_s'] * 1e3:.1f} | {100 * c['error']:+.0f} % | "
+                         f"{c['naive_term_s'] * 1e3:.2f} | {100 * c['error_naive']:+.0f} % |")
+        lines.append("")
+        n = len(cpu_rows)
+        w = lambda key: sum(abs(key(x)) <= 0.15 for x in cpu_rows)
+        med = lambda key: sorted(abs(key(x)) for x in cpu_rows)[n // 2]
+        for label, key in (("no CPU term", lambda x: x["error"]),
+                           ("with the measured term", lambda x: x["hvd_mpi_cpu"]["error"]),
+                           ("with the naive term (all of it)", lambda x: x["hvd_mpi_cpu"]["error_naive"])):
+            lines.append(f"same {n} cells, {label}: within 15 %: {w(key)} of {n}, median |error| "
+                         f"{100 * med(key):.0f} %.  ")
     text = "\n".join(lines)
     print(text)
     if args.md:
