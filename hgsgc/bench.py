@@ -380,6 +380,9 @@ def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
         rec["hvd_mpi_cpu_s_per_step"] = s["thread_cpu"]["hvd_mpi_cpu_s_per_step"]["mean"]
         rec["hvd_mpi_cpu_s_per_step_max_rank"] = s["thread_cpu"]["hvd_mpi_cpu_s_per_step"]["max"]
         rec["thread_cpu_s_per_step"] = {g: v["mean_cpu_s_per_step"] for g, v in s["thread_cpu"]["groups"].items()}
+        # time each group's threads were runnable but had no CPU (other processes on the core)
+        rec["thread_runqueue_wait_s_per_step"] = {g: v.get("mean_runqueue_wait_s_per_step")
+                                                  for g, v in s["thread_cpu"]["groups"].items()}
     return rec
 
 
@@ -597,6 +600,10 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
             rec["thread_cpu_s_per_step"] = {g: sum(r["thread_cpu_s_per_step"][g] for r in runs) / copies
                                             for g in runs[0]["thread_cpu_s_per_step"]}
             rec["hvd_mpi_cpu_s_per_step"] = sum(r["hvd_mpi_cpu_s_per_step"] for r in runs) / copies
+            if all(None not in r.get("thread_runqueue_wait_s_per_step", {None: None}).values() for r in runs):
+                rec["thread_runqueue_wait_s_per_step"] = {
+                    g: sum(r["thread_runqueue_wait_s_per_step"][g] for r in runs) / copies
+                    for g in runs[0]["thread_runqueue_wait_s_per_step"]}
         rec["status"] = "ok"
     except subprocess.TimeoutExpired:
         rec["error"] = f"timeout after {spec['timeout_s']} s"

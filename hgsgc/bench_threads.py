@@ -60,6 +60,12 @@ def parse_schedstat(text: str) -> int:
     return int(text.split()[0])
 
 
+def parse_schedstat_wait(text: str) -> int:
+    """Nanoseconds runnable but waiting for a CPU (second field of ``/proc/.../schedstat``: the
+    time other threads or processes had the core)."""
+    return int(text.split()[1])
+
+
 def _read(path: str) -> Optional[str]:
     try:
         with open(path) as f:
@@ -77,7 +83,8 @@ def tids(proc: str = "/proc", pid: Optional[int] = None) -> List[int]:
 
 
 def snapshot(proc: str = "/proc", pid: Optional[int] = None) -> Dict[int, dict]:
-    """``{tid: {"comm", "ticks", "ns"}}`` of every thread now (``ns`` None without schedstat)."""
+    """``{tid: {"comm", "ticks", "ns", "wait_ns"}}`` of every thread now (``ns``, ``wait_ns``: None
+    without schedstat)."""
     d = task_dir(proc, pid)
     out = {}
     for t in tids(proc, pid):
@@ -90,10 +97,10 @@ def snapshot(proc: str = "/proc", pid: Optional[int] = None) -> Dict[int, dict]:
             continue
         ss = _read(os.path.join(d, str(t), "schedstat"))
         try:
-            ns = parse_schedstat(ss) if ss else None
+            ns, wait = (parse_schedstat(ss), parse_schedstat_wait(ss)) if ss else (None, None)
         except (ValueError, IndexError):
-            ns = None
-        out[t] = {"comm": comm, "ticks": ut + stt, "ns": ns}
+            ns = wait = None
+        out[t] = {"comm": comm, "ticks": ut + stt, "ns": ns, "wait_ns": wait}
     return out
 
 
@@ -178,42 +185,47 @@ class StepCPU:
         self.steps += int(steps)
         self.threads_ended += sum(1 for t in a if t not in b)
         for t, y in b.items():
-            x = a.get(t, {"ticks": 0, "ns": 0 if y["ns"] is not None else None})
-            acc = self.per_tid.setdefault(t, {"comm": y["comm"], "ticks": 0, "ns": 0})
+            x = a.get(t, {"ticks": 0, "ns": 0, "wait_ns": 0})
+            acc = self.per_tid.setdefault(t, {"comm": y["comm"], "ticks": 0, "ns": 0, "wait_ns": 0})
             acc["comm"] = y["comm"]
             acc["ticks"] += y["ticks"] - x["ticks"]
-            if acc["ns"] is not None and y["ns"] is not None and x["ns"] is not None:
-                acc["ns"] += y["ns"] - x["ns"]
-            else:
-                acc["ns"] = None
+            for k in ("ns", "wait_ns"):
+                if acc[k] is not None and y.get(k) is not None and x.get(k) is not None:
+                    acc[k] += y[k] - x[k]
+                else:
+                    acc[k] = None
 
     def result(self, tick_s: Optional[float] = None) -> dict:
         """Per step: every thread's and every group's CPU seconds (``cpu_s_per_step``: from
         schedstat's nanoseconds where every thread of the group has them, else from the ticks;
-        ``stat_cpu_s_per_step``: utime + stime), the groups' comms, and the window."""
+        ``stat_cpu_s_per_step``: utime + stime; ``runqueue_wait_s_per_step``: schedstat's time runnable
+        but without a CPU, None without schedstat), the groups' comms, and the window."""
         tick = tick_s if tick_s is not None else 1.0 / os.sysconf("SC_CLK_TCK")
         n = max(self.steps, 1)
         threads = []
-        groups = {g: {"threads": 0, "comms": [], "ticks": 0, "ns": 0} for g in GROUPS}
+        groups = {g: {"threads": 0, "comms": [], "ticks": 0, "ns": 0, "wait_ns": 0} for g in GROUPS}
         for t in sorted(self.per_tid):
             v = self.per_tid[t]
             g = self.groups.group(t)
             threads.append({"tid": t, "comm": v["comm"], "group": g,
                             "wchan_at_init": self.groups.wchan.get(t),
                             "stat_cpu_s_per_step": v["ticks"] * tick / n,
-                            "cpu_s_per_step": (v["ns"] / 1e9 if v["ns"] is not None else v["ticks"] * tick) / n})
+                            "cpu_s_per_step": (v["ns"] / 1e9 if v["ns"] is not None else v["ticks"] * tick) / n,
+                            "runqueue_wait_s_per_step": v["wait_ns"] / 1e9 / n if v["wait_ns"] is not None else None})
             acc = groups[g]
             acc["threads"] += 1
             if v["comm"] not in acc["comms"]:
                 acc["comms"].append(v["comm"])
             acc["ticks"] += v["ticks"]
             acc["ns"] = None if acc["ns"] is None or v["ns"] is None else acc["ns"] + v["ns"]
+            acc["wait_ns"] = None if acc["wait_ns"] is None or v["wait_ns"] is None else acc["wait_ns"] + v["wait_ns"]
         out_groups = {}
         for g, acc in groups.items():
             out_groups[g] = {"threads": acc["threads"], "comms": acc["comms"],
                              "stat_cpu_s_per_step": acc["ticks"] * tick / n,
                              "cpu_s_per_step": (acc["ns"] / 1e9 if acc["ns"] is not None
                                                 else acc["ticks"] * tick) / n,
+                             "runqueue_wait_s_per_step": acc["wait_ns"] / 1e9 / n if acc["wait_ns"] is not None else None,
                              "source": "schedstat" if acc["ns"] is not None else "stat"}
         return {"steps": self.steps, "window_s": self.window_s, "tick_s": tick,
                 "threads_ended": self.threads_ended, "groups": out_groups,
@@ -231,7 +243,10 @@ def combine_ranks(per_rank: Iterable[Optional[dict]]) -> Optional[dict]:
     groups = {}
     for g in GROUPS:
         vals = [r["groups"][g]["cpu_s_per_step"] for r in ranks]
+        waits = [r["groups"][g].get("runqueue_wait_s_per_step") for r in ranks]
         groups[g] = {"mean_cpu_s_per_step": sum(vals) / len(vals), "max_cpu_s_per_step": max(vals),
+                     "mean_runqueue_wait_s_per_step": (sum(waits) / len(waits)
+                                                       if all(w is not None for w in waits) else None),
                      "threads": [r["groups"][g]["threads"] for r in ranks],
                      "comms": sorted({c for r in ranks for c in r["groups"][g]["comms"]})}
     hm = [r["hvd_mpi_cpu_s_per_step"] for r in ranks]

@@ -19,12 +19,12 @@ def _stat(tid, comm, utime, stime):
     return f"{tid} ({comm}) " + " ".join(rest) + "\n"
 
 
-def _write(root, tid, comm, utime, stime, ns=None, wchan="futex_do_wait"):
+def _write(root, tid, comm, utime, stime, ns=None, wchan="futex_do_wait", wait=555):
     d = root / str(PID) / "task" / str(tid)
     d.mkdir(parents=True, exist_ok=True)
     (d / "stat").write_text(_stat(tid, comm, utime, stime))
     if ns is not None:
-        (d / "schedstat").write_text(f"{ns} 555 77\n")
+        (d / "schedstat").write_text(f"{ns} {wait} 77\n")
     (d / "wchan").write_text(wchan)
 
 
@@ -136,6 +136,22 @@ def test_step_cpu_exact(tmp_path):
     by_tid = {t["tid"]: t for t in r["threads"]}
     assert by_tid[4250]["wchan_at_init"] == "poll_schedule_timeout.constprop.0"
     assert by_tid[4300]["group"] == "hvd_background"
+
+
+def test_runqueue_wait_exact(tmp_path):
+    root, g = _fixture(tmp_path)
+    sc = bt.StepCPU(g, proc=str(root), pid=PID, clock=Clock())
+    sc.start()
+    _write(root, PID, "python", 10, 5, ns=150_000_000, wchan="0", wait=8_000_555)  # +8 ms waiting
+    _write(root, 4260, "python", 1, 0, ns=10_000_000, wait=2_000_555)  # +2 ms
+    sc.stop(4)
+    r = sc.result(tick_s=0.01)
+    assert r["groups"]["main"]["runqueue_wait_s_per_step"] == pytest.approx(0.002, abs=1e-15)
+    assert r["groups"]["other"]["runqueue_wait_s_per_step"] == pytest.approx(0.0005, abs=1e-15)
+    assert r["groups"]["hvd_background"]["runqueue_wait_s_per_step"] == 0.0
+    assert bt.parse_schedstat_wait("1 22 3") == 22
+    c = bt.combine_ranks([r, r])
+    assert c["groups"]["main"]["mean_runqueue_wait_s_per_step"] == pytest.approx(0.002, abs=1e-15)
 
 
 def test_step_cpu_ticks_without_schedstat(tmp_path):
