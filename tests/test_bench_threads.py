@@ -311,3 +311,31 @@ def test_validation_bench_row_adds_the_measured_term(tmp_path):
     assert c["predicted_cpu_term_s"] == p["step_s"] + c["term_s"]
     assert c["error"] == c["predicted_cpu_term_s"] / 0.020 - 1
     assert c["predicted_naive_cpu_term_s"] == p["step_s"] + (0.004 - 0.0005)
+
+
+def test_cpu_compare_rows_exact():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("cmp", os.path.join(ROOT, "scripts", "bench_thread_cpu_compare.py"))
+    cmp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cmp)
+
+    def run(wall, tf_main, tf_other, hvd, load):
+        c = {"method": "sgc_d1", "hosts": 2, "bandwidth": "100mbit", "status": "ok", "load_before": [load],
+             "mean_step_time_s": wall, "hvd_mpi_cpu_s_per_step": hvd,
+             "thread_cpu_s_per_step": {"main": tf_main, "other": tf_other, "hvd_background": hvd, "mpi": 0.0}}
+        return {"name": "r", "cells": [c, dict(c, method="x", status="failed")],
+                "compute_only": {"sgc_d1": {"mean_step_time_s": wall / 2, "load_before": [load],
+                                            "hvd_mpi_cpu_s_per_step": 0.0005,
+                                            "thread_cpu_s_per_step": {"main": 0.002, "other": 0.010}}}}
+
+    r = cmp.rows(run(0.100, 0.002, 0.020, 0.004, 12.0), run(0.020, 0.002, 0.018, 0.002, 2.0))
+    assert [x[0] for x in r] == ["sgc_d1@2h/100mbit", "sgc_d1 compute-only (1 process)"]
+    label, la, lb, fig = r[0]
+    assert (la, lb) == (12.0, 2.0)
+    assert fig["wall"] == (0.100, 0.020) and fig["hvd_mpi_cpu"] == (0.004, 0.002)
+    assert fig["tf_cpu"] == pytest.approx((0.022, 0.020), abs=1e-15)
+    md = cmp.markdown(run(0.100, 0.002, 0.020, 0.004, 12.0), run(0.020, 0.002, 0.018, 0.002, 2.0), "a", "b")
+    assert "| `sgc_d1@2h/100mbit` | 12.0 / 2.0 | 100.00 / 20.00 | 0.20 | 22.00 / 20.00 | 0.91 | 4.00 / 2.00 | 0.50 |" in md
