@@ -31,6 +31,15 @@ committed table (docs/benchmarks/perfmodel.md)::
                 docs/benchmarks/clean_2h_buckets_r1.json=$Q docs/benchmarks/clean_2h_buckets_r4.json=$Q \
         --json docs/benchmarks/perfmodel_validation.json
 
+Session 8's cells with the measured Horovod/MPI CPU (:func:`hvd_mpi_cpu_term`;
+docs/benchmarks.md, "Validation with the measured Horovod/MPI CPU")::
+
+    Q=docs/benchmarks/link_calibration_quiet.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py \
+        --bench docs/benchmarks/clean_2h_s8_r1.json=$Q docs/benchmarks/clean_2h_s8_r2.json=$Q \
+                docs/benchmarks/fmnist_4h_s8_r1.json=$Q \
+        --md docs/benchmarks/perfmodel_validation_cpu.md --json docs/benchmarks/perfmodel_validation_cpu.json
+
 (the cells of sessions 4 and 7, on a quiet machine with a core per rank, use the quiet
 calibration; the older rows keep the calibration they were predicted with, taken with both ranks
 on one core. Left out as disturbed by another job (docs/benchmarks/step_profile.md and
