@@ -472,22 +472,23 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
     rank, size = comm.Get_rank(), comm.Get_size()
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    previous = None
-    if rank == 0:
-        previous = latest(directory)
-    previous = comm.bcast(previous, root=0)
+    previous, spare = None, None
     path = step_dir(directory, step)
     data = tree_to_bytes(state)  # TypeError before any I/O: same tree kinds on every rank
     err = None
     if rank == 0:
+        previous = latest(directory)
         try:
             os.makedirs(directory, exist_ok=True)
             if os.path.exists(os.path.join(path, MANIFEST)):  # re-saving the same step
+                spare = _keep_spare(path)  # complete until the new manifest is durable
+                previous = spare or previous
                 os.unlink(os.path.join(path, MANIFEST))
                 _fsync_dir(path)
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
             err = str(_io_error("create checkpoint folder", path, exc, previous))
+    previous = comm.bcast(previous, root=0)
     _agree(comm, err, "checkpoint")
     info = None
     try:
@@ -509,10 +510,40 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
         except OSError as exc:
             err = str(_io_error("write", os.path.join(path, MANIFEST), exc, previous))
         if err is None:
+            if spare:
+                shutil.rmtree(spare, ignore_errors=True)
             _prune(directory, keep, int(step))
     err = comm.bcast(err if rank == 0 else None, root=0)
     _agree(comm, err if rank == 0 else None, "checkpoint")
     return path
+
+
+def _keep_spare(path: str) -> Optional[str]:
+    """Before a complete checkpoint folder is re-saved (the end-of-run checkpoint after a periodic
+    one of the same step): the same files under a second name of the same step (``step-0`` +
+    the digits: one more leading zero), as hard links (copies where the file system has none),
+    manifest last. ``atomic_write`` replaces a name with a new file, so the linked old files stay
+    intact; a kill before the new manifest is durable leaves the spare as a complete checkpoint
+    of that step, where before only the checkpoint before it was left (none with keep=1).
+    Returns the spare folder, or None if it could not be made (the re-save goes on as before).
+    """
+    head, name = os.path.split(path)
+    spare = os.path.join(head, "step-0" + name[len("step-"):])
+    try:
+        shutil.rmtree(spare, ignore_errors=True)
+        os.makedirs(spare)
+        names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        for n in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
+            try:
+                os.link(os.path.join(path, n), os.path.join(spare, n))
+            except OSError:
+                shutil.copy2(os.path.join(path, n), os.path.join(spare, n))
+        _fsync_dir(spare)
+        _fsync_dir(head)
+        return spare
+    except OSError:
+        shutil.rmtree(spare, ignore_errors=True)
+        return None
 
 
 def _prune(directory, keep, newest_step):
@@ -521,6 +552,10 @@ def _prune(directory, keep, newest_step):
         is_complete = os.path.exists(os.path.join(path, MANIFEST))
         if step > newest_step:
             continue  # never touch a newer folder (another writer)
+        canonical = step_dir(directory, step)
+        if path != canonical and os.path.exists(os.path.join(canonical, MANIFEST)):
+            shutil.rmtree(path, ignore_errors=True)  # a spare of a re-save that completed
+            continue
         if is_complete:
             complete += 1
             if complete <= keep:

@@ -549,3 +549,40 @@ def test_requeued_layout_auto_job_resumes_the_layout_of_its_checkpoint(tmp_path)
     assert f"hgsgc: resuming from {ck} (step 2)" in q.stdout and "epoch 2/2" in q.stdout
     summary = json.load(open(tmp_path / "q" / "summary.json"))
     assert summary["layout_setting"] == "auto" and summary["layout_choice"]["fc_workers"] == 2
+
+
+# ------------------------------------------------------------------ re-saving a step with keep=1
+def test_killed_while_re_saving_a_step_keeps_that_steps_previous_checkpoint(tmp_path, monkeypatch):
+    """The end-of-run checkpoint re-saves the step of a periodic checkpoint (every_steps dividing
+    the run). The re-save removed the step's manifest first, so a kill before the new manifest
+    left no complete checkpoint of that step; with checkpoint.keep=1 the one before had already
+    been pruned, and resume: auto started the run afresh. The complete folder is now kept under a
+    second name of the same step (hard links) until the new manifest is durable."""
+    from hgsgc import checkpoint as ckpt
+
+    run = {"world_size": 1, "model": "tiny"}
+    d = str(tmp_path)
+    ckpt.save(d, 2, {"w": np.full(4, 2.0)}, run, keep=1)
+    first = ckpt.save(d, 5, {"w": np.full(4, 5.0)}, run, keep=1)
+    assert [s for s, _ in ckpt.list_checkpoints(d)] == [5]  # keep=1 pruned step 2
+    real = ckpt.atomic_write
+
+    def killed_at_manifest(path, data):
+        if path.endswith(ckpt.MANIFEST):
+            raise KeyboardInterrupt("killed")  # as SIGKILL would: nothing after this runs
+        return real(path, data)
+
+    monkeypatch.setattr(ckpt, "atomic_write", killed_at_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(d, 5, {"w": np.full(4, 6.0)}, run, keep=1)
+    monkeypatch.setattr(ckpt, "atomic_write", real)
+    back = ckpt.latest(d)
+    assert back is not None and back != first and ckpt.read_manifest(back)["step"] == 5
+    assert ckpt.load_rank(back, ckpt.read_manifest(back), 0)["w"][0] == 5.0  # the old state, intact
+    # the next save of that step completes and removes the spare; keep counts steps as before
+    assert ckpt.save(d, 5, {"w": np.full(4, 6.0)}, run, keep=1) == first
+    assert [p for _, p in ckpt.list_checkpoints(d)] == [first]
+    assert ckpt.load_rank(first, ckpt.read_manifest(first), 0)["w"][0] == 6.0
+    ckpt.save(d, 7, {"w": np.zeros(4)}, run, keep=2)
+    ckpt.save(d, 7, {"w": np.ones(4)}, run, keep=2)  # an uneventful re-save leaves no spare
+    assert [s for s, _ in ckpt.list_checkpoints(d)] == [7, 5]
