@@ -339,3 +339,26 @@ def test_cpu_compare_rows_exact():
     assert fig["tf_cpu"] == pytest.approx((0.022, 0.020), abs=1e-15)
     md = cmp.markdown(run(0.100, 0.002, 0.020, 0.004, 12.0), run(0.020, 0.002, 0.018, 0.002, 2.0), "a", "b")
     assert "| `sgc_d1@2h/100mbit` | 12.0 / 2.0 | 100.00 / 20.00 | 0.20 | 22.00 / 20.00 | 0.91 | 4.00 / 2.00 | 0.50 |" in md
+
+
+def test_validation_step_profile_row_gets_the_term_from_its_own_run(tmp_path):
+    """A committed session-7 step profile (2 pinned hosts, 1 Gbit/s): the term is the step rounds'
+    mean Horovod/MPI CPU (compute_no_hvd runs before hvd.init: 0) minus wire + coordination; the
+    prediction without it is the one of the main table; only with --cpu-term-step-profiles."""
+    from conftest import ROOT
+
+    v = _validation()
+    f = os.path.join(ROOT, "docs/benchmarks/step_profile/s7_buckets_1gbit.json")
+    q = os.path.join(ROOT, "docs/benchmarks/link_calibration_quiet.json")
+    out_a, out_b = tmp_path / "a.json", tmp_path / "b.json"
+    assert v.main([f"{f}={q}", "--json", str(out_a)]) == 0
+    assert v.main([f"{f}={q}", "--cpu-term-step-profiles", "--json", str(out_b)]) == 0
+    (a,), (b,) = json.load(open(out_a)), json.load(open(out_b))
+    assert a["hvd_mpi_cpu"] is None and a["predicted"] == b["predicted"]
+    s = json.load(open(f))["summary"]
+    rounds = v.step_rounds(s)
+    cell = sum(sum(s[x]["cpu_ms_hvd_mpi"]) / len(s[x]["cpu_ms_hvd_mpi"]) for x in rounds) / len(rounds) / 1e3
+    c, p = b["hvd_mpi_cpu"], b["predicted"]
+    assert c["cell_s"] == pytest.approx(cell, rel=1e-12) and c["compute_only_s"] == 0.0
+    assert c["term_s"] == pytest.approx(max(0.0, cell - p["wire_s"] - p["coordination_s"]), rel=1e-12)
+    assert c["error"] == pytest.approx((p["step_s"] + c["term_s"]) / b["measured_step_s"] - 1, rel=1e-12)

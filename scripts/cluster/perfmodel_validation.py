@@ -36,6 +36,7 @@ docs/benchmarks.md, "Validation with the measured Horovod/MPI CPU")::
 
     Q=docs/benchmarks/link_calibration_quiet.json
     .venv/bin/python scripts/cluster/perfmodel_validation.py \
+        $(ls docs/benchmarks/step_profile/s7_*.json | grep -v 100mbit_io1 | sed "s|$|=$Q|") --cpu-term-step-profiles \
         --bench docs/benchmarks/clean_2h_s8_r1.json=$Q docs/benchmarks/clean_2h_s8_r2.json=$Q \
                 docs/benchmarks/fmnist_4h_s8_r1.json=$Q \
         --md docs/benchmarks/perfmodel_validation_cpu.md --json docs/benchmarks/perfmodel_validation_cpu.json
@@ -257,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--no-burst", action="store_true",
                     help="charge every byte at the link rate (links without cluster.sh's tbf bucket: the "
                          "model before session 7); default: the emulator's bucket, perfmodel.link_for(tbf=True)")
+    ap.add_argument("--cpu-term-step-profiles", action="store_true",
+                    help="also give step_profile cells the measured Horovod/MPI CPU term (their own run's "
+                         "cpu_ms_hvd_mpi in the step rounds; compute_no_hvd has no Horovod thread)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -324,7 +328,20 @@ def main(argv=None):
         waits = [a["phases"]["step"]["threads"]["tf_other"]["runqueue_wait_ms_per_rep"] for a in ranks]
         walls = [a["phases"]["step"]["mean_ms"] for a in ranks]
         meas_ded = max(w - q for w, q in zip(walls, waits)) / 1e3 if ranks else None
-        rows.append({"run": os.path.basename(path)[:-5], "kind": "step_profile (2 pinned hosts)",
+        cpu_term = None
+        if all("cpu_ms_hvd_mpi" in s[x] for x in rounds):  # the step's Horovod/MPI threads, this run
+            mean = lambda v: sum(v) / len(v)
+            cell_cpu = mean([mean(s[x]["cpu_ms_hvd_mpi"]) for x in rounds]) / 1e3
+            # compute_no_hvd runs before hvd.init(): no Horovod thread in the compute input
+            co_cpu = mean(s["compute_no_hvd"]["cpu_ms_hvd_mpi"]) / 1e3 if "cpu_ms_hvd_mpi" in s["compute_no_hvd"] else 0.0
+            cpu_term = hvd_mpi_cpu_term(cell_cpu, co_cpu, p["wire_s"] + p["coordination_s"])
+            cpu_term.update({"compute_only_recorded": True, "cell_max_rank_s": None,
+                             "predicted_cpu_term_s": p["step_s"] + cpu_term["term_s"],
+                             "predicted_naive_cpu_term_s": p["step_s"] + cpu_term["naive_term_s"]})
+            cpu_term["error"] = cpu_term["predicted_cpu_term_s"] / meas - 1
+            cpu_term["error_naive"] = cpu_term["predicted_naive_cpu_term_s"] / meas - 1
+        rows.append({"hvd_mpi_cpu": cpu_term if args.cpu_term_step_profiles else None,
+                     "run": os.path.basename(path)[:-5], "kind": "step_profile (2 pinned hosts)",
                      "method": m, "delay": r["delay"], "bandwidth": bw,
                      "hosts": r["world_size"], "samples": bool(samples), "tuned": tuned,
                      "settings": ", ".join(f"{k.replace('OMPI_MCA_mpi_', '').replace('HOROVOD_', '')}={v}"
