@@ -148,6 +148,17 @@ class Config:
     faults: FaultConfig = field(default_factory=FaultConfig)
 
 
+#: the config's sections, each with one of its keys (for messages)
+SECTIONS = {f.name: dataclasses.fields(f.default_factory)[0].name for f in dataclasses.fields(Config)
+            if f.default_factory is not dataclasses.MISSING}
+
+
+def _yaml_kind(node) -> str:
+    if OmegaConf.is_list(node):
+        return "list"
+    return {str: "string", int: "number", float: "number", bool: "boolean"}.get(type(node), type(node).__name__)
+
+
 def _valid_keys(node, prefix=""):
     keys = []
     for f in dataclasses.fields(node):
@@ -178,10 +189,23 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
             if os.path.isfile(path) and not loaded:  # empty, or comments only: not a config
                 raise ConfigError(f"config file {path} is empty (no settings): a truncated copy? "
                                   f"Re-copy it, or give a config from configs/*.yaml")
+            if not OmegaConf.is_dict(loaded):
+                raise ConfigError(f"config file {path} is a YAML {_yaml_kind(loaded)}, not a mapping of "
+                                  f"sections (run, data, model, train, ...): see configs/*.yaml")
+            for key, value in loaded.items():
+                if key in SECTIONS and not OmegaConf.is_dict(value) and value is not None:
+                    raise ConfigError(f"config file {path}: '{key}' is a section, not a value: give its "
+                                      f"keys under it (e.g. '{SECTIONS[key]}: ...' indented under '{key}:')")
             parts.append(loaded)
         for o in overrides or []:
             if "=" not in o:
                 raise ConfigError(f"override {o!r} is not key=value (e.g. train.epochs=3)")
+            key = o.split("=", 1)[0].strip()
+            if not key:
+                raise ConfigError(f"override {o!r} has no key (e.g. train.epochs=3)")
+            if key in SECTIONS:
+                raise ConfigError(f"override {o!r}: '{key}' is a section, not a value: give one of its "
+                                  f"keys, e.g. {key}.{SECTIONS[key]}=...")
         if overrides:
             parts.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*parts)

@@ -586,3 +586,24 @@ def test_killed_while_re_saving_a_step_keeps_that_steps_previous_checkpoint(tmp_
     ckpt.save(d, 7, {"w": np.zeros(4)}, run, keep=2)
     ckpt.save(d, 7, {"w": np.ones(4)}, run, keep=2)  # an uneventful re-save leaves no spare
     assert [s for s, _ in ckpt.list_checkpoints(d)] == [7, 5]
+
+
+@pytest.mark.parametrize("text,overrides,needle", [
+    ("train: 3\n", [], "config file {f}: 'train' is a section, not a value: give its keys under it "
+                       "(e.g. 'epochs: ...' indented under 'train:')"),
+    ("- a\n- b\n", [], "config file {f} is a YAML list, not a mapping of sections (run, data, model, train, ...)"),
+    ("train:\n  epochs: 1\n", ["train=3"], "override 'train=3': 'train' is a section, not a value: give "
+                                           "one of its keys, e.g. train.epochs=..."),
+    ("train:\n  epochs: 1\n", ["=3"], "override '=3' has no key (e.g. train.epochs=3)"),
+])
+def test_a_section_given_a_value_is_one_line_naming_it(tmp_path, text, overrides, needle):
+    """A section given a scalar (train: 3 in the file, or train=3 as an override) said
+    "config key '?': Merge error: int is not a subclass of TrainConfig", naming no key; a YAML
+    list said 'Cannot merge incompatible container types'; '=3' was "unknown config key '?'"."""
+    from hgsgc.config import ConfigError, load_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(f), overrides)
+    assert str(ei.value).startswith(needle.format(f=f)), str(ei.value)
