@@ -38,7 +38,7 @@ docs/benchmarks.md, "Validation with the measured Horovod/MPI CPU")::
     .venv/bin/python scripts/cluster/perfmodel_validation.py \
         $(ls docs/benchmarks/step_profile/s7_*.json | grep -v 100mbit_io1 | sed "s|$|=$Q|") --cpu-term-step-profiles \
         --bench docs/benchmarks/clean_2h_s8_r1.json=$Q docs/benchmarks/clean_2h_s8_r2.json=$Q \
-                docs/benchmarks/fmnist_4h_s8_r1.json=$Q \
+                docs/benchmarks/fmnist_4h_s8_r1.json=$Q docs/benchmarks/clean_2h_s8_load6.json=$Q \
         --md docs/benchmarks/perfmodel_validation_cpu.md --json docs/benchmarks/perfmodel_validation_cpu.json
 
 (the cells of sessions 4 and 7, on a quiet machine with a core per rank, use the quiet
