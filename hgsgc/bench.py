@@ -1262,8 +1262,15 @@ def main(spec_path: str, out: Optional[str] = None, out_dir: Optional[str] = Non
         return 0
     try:
         spec = load_spec(spec_path)
-    except (OSError, SpecError) as exc:
-        print(f"hgsgc: bench: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"hgsgc: bench: {spec_path}: cannot read the spec ({exc.strerror or exc}); give a bench spec "
+              f"YAML, e.g. configs/bench/smoke.yaml", file=sys.stderr)
+        return 2
+    except SpecError as exc:
+        msg = str(exc)
+        if msg.startswith("spec: "):  # name the file the user gave
+            msg = f"{spec_path}: {msg[len('spec: '):]}"
+        print(f"hgsgc: bench: {msg}", file=sys.stderr)
         return 2
     if out:
         spec["name"] = out

@@ -607,3 +607,19 @@ def test_a_section_given_a_value_is_one_line_naming_it(tmp_path, text, overrides
     with pytest.raises(ConfigError) as ei:
         load_config(str(f), overrides)
     assert str(ei.value).startswith(needle.format(f=f)), str(ei.value)
+
+
+def test_bench_missing_or_empty_spec_names_the_file(tmp_path, capsys):
+    """hgsgc bench with a spec that does not exist, or with no methods: one line naming the file and
+    what to give, exit 2 (it printed a raw '[Errno 2] ...' / a message without the file)."""
+    from hgsgc.bench import main
+
+    missing = str(tmp_path / "nope.yaml")
+    assert main(missing) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and missing in err[0] and "cannot read the spec" in err[0] and "configs/bench/" in err[0]
+    empty = tmp_path / "empty_methods.yaml"
+    empty.write_text("name: x\nmethods: []\n")
+    assert main(str(empty)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"hgsgc: bench: {empty}: 'methods' must list at least one method"
