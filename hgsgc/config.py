@@ -98,6 +98,7 @@ class CompressionConfig:
     local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
     dense_vectors: bool = False  # topk/sgc/dgc: biases and batch-norm parameters (rank < 2) averaged densely, as DGC
     buckets: int = 1  # topk/sgc/dgc with hierarchy allgather: allgathers per exchange, last layers first (overlap with the backward pass)
+    index_coding: str = "fixed"  # topk/sgc/dgc: payload indices fixed-width (ceil(log2 numel) bits) or elias_fano (~floor(log2(numel/k)) + 2 bits; lossless)
     powersgd_rank: int = 4  # PowerSGD rank r
     terngrad_clip_sigma: float = 2.5  # TernGrad gradient clipping at c standard deviations (0 = off)
 
@@ -289,6 +290,11 @@ def validate(cfg: Config) -> None:
     if c.buckets > 1 and (not sparse or c.hierarchy != "allgather"):
         bad("compression.buckets", c.buckets, "splits the flat allgather of top-k payloads: needs "
                                               "method topk, sgc or dgc with hierarchy=allgather")
+    if c.index_coding not in ("fixed", "elias_fano"):
+        bad("compression.index_coding", c.index_coding, "use fixed (default) or elias_fano")
+    if c.index_coding != "fixed" and not sparse:
+        bad("compression.index_coding", c.index_coding, "codes the indices of top-k payloads: needs "
+                                                        "method topk, sgc or dgc (or index_coding=fixed)")
     if c.dense_vectors and not sparse:
         bad("compression.dense_vectors", c.dense_vectors,
             "dense averaging of rank < 2 tensors is part of the sparse methods: use method topk, sgc or dgc, "

@@ -359,12 +359,13 @@ def _hosts_by_hostname(world_ranks):  # pragma: no cover - fallback without mpi4
 # TensorFlow: the merge and the exchange.
 
 
-def merge(parts, k: int, numel: int, bits: int):
+def merge(parts, k: int, numel: int, bits: int, index_coding: str = "fixed"):
     """Merge partial aggregates of one tensor (see the module docstring).
 
     Args:
         parts: list of ``(indices int32 [k_p] ascending, values float32 [k_p])``.
-        k: entries kept; numel: size of the dense tensor; bits: 2 or 32.
+        k: entries kept; numel: size of the dense tensor; bits: 2 or 32; index_coding:
+        ``"fixed"`` or ``"elias_fano"`` (:mod:`hgsgc.compression.wire`).
 
     Returns:
         ``(payload uint8, indices int32 [k] ascending, values float32 [k] as decoded,
@@ -388,7 +389,7 @@ def merge(parts, k: int, numel: int, bits: int):
         total = total + c
     pos, kept = exact_topk(total, k)
     new_idx = tf.gather(union, pos)
-    payload, q = codec.encode(new_idx, kept, numel, bits)
+    payload, q = codec.encode(new_idx, kept, numel, bits, index_coding)
     dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([k], tf.bool),
                                            tf.shape(union)[:1]))
     return payload, new_idx, q, union, contribs, dropped, kept
@@ -424,6 +425,7 @@ def _exchange(views, codec, ctx, plan):
     from hgsgc.compression import codec as wire
 
     bits = codec.bits
+    coding = getattr(codec, "index_coding", "fixed")
     comm, uid, rank, n = ctx.comm, ctx.uid, ctx.comm.rank, ctx.comm.size
     specs, aggs, payloads, local = [], [], [], []
     for a in views:
@@ -453,14 +455,14 @@ def _exchange(views, codec, ctx, plan):
         got = tf.reshape(out, [len(step.recvs), P])
         off = 0
         for i, (numel, k, p) in enumerate(specs):
-            received = [wire.decode(got[s, off:off + p], numel, k, bits)
+            received = [wire.decode(got[s, off:off + p], numel, k, bits, coding)
                         for s in range(len(step.recvs))]
             if step.op == "adopt":
                 aggs[i] = received[0]
                 payloads[i] = got[0, off:off + p]
             elif step.op == "merge":
                 parts = [aggs[i]] + received
-                pay, new_idx, q, union, contribs, dropped, kept = merge(parts, k, numel, bits)
+                pay, new_idx, q, union, contribs, dropped, kept = merge(parts, k, numel, bits, coding)
                 for c, absorb in zip(contribs, step.absorb):
                     if absorb:
                         losses[i].append((union, tf.where(dropped, c, tf.zeros_like(c))))

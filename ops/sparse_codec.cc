@@ -5,17 +5,19 @@
 // Ops (attributes in brackets; shapes as in hgsgc/ops.py):
 //   HgsgcTopkSelect(x: float [numel], seed: int64 scalar) [k, sample_size, margin]
 //       -> indices: int32 [k] ascending, values: float [k] = x[indices]
-//   HgsgcSparseEncode(indices: int32 [k], values: float [k]) [numel, bits]
+//   HgsgcSparseEncode(indices: int32 [k], values: float [k]) [numel, bits, index_coding]
 //       -> payload: uint8 [payload_length(numel, k, bits)], sent: float [k]
 //   HgsgcCompress(grad: float [numel], residual: float [numel] or [0], seed: int64 scalar)
-//       [k, bits, sample_size, margin]
+//       [k, bits, sample_size, margin, index_coding]
 //       -> payload: uint8 [payload_length], new_residual: float [numel] (or [0] without residual)
 //   HgsgcCompressResidual(grad: float [any shape], residual: resource (float32 variable of
 //       numel entries), seed) [k, bits, sample_size, margin] -> payload; the residual variable is
 //       updated in place (one read of grad and residual, one write of the residual)
-//   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset]
+//   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset, index_coding]
 //       -> sum: float [numel] = sum over ranks r = 0..n-1, in rank order, of the dense tensor
 //          decoded from gathered[r, offset : offset + payload_length]
+//   index_coding ('fixed' default | 'elias_fano'): how the payload's indices are coded (layouts and
+//   lengths in hgsgc/compression/wire.py; EfEncode / EfDecode below); payload_length follows it.
 //
 // Bit-identity contract with the pure-TensorFlow reference (hgsgc/ops.py *_reference, i.e.
 // hgsgc.compression.sparsify / codec and the communicator's rank-order add_n):
@@ -116,10 +118,91 @@ inline int IndexWidth(int64_t numel) {  // max(1, ceil(log2 numel))
   return std::max(1, w);
 }
 
-inline int64_t PayloadLength(int64_t numel, int64_t k, int bits) {
+// Elias-Fano index coding (compression.index_coding = elias_fano; layout in
+// hgsgc/compression/wire.py): l = floor(log2(numel / k)) low bits per index packed like the fixed
+// code, then a byte-aligned bit vector of H = k + ((numel - 1) >> l) bits with bit (x_i >> l) + i
+// set for every i (the high parts in unary). Elias 1974, Fano 1971, Vigna WSDM 2013.
+inline int EfLowBits(int64_t numel, int64_t k) {  // bit_length(numel / k) - 1, for 1 <= k <= numel
+  int b = 0;
+  for (uint64_t v = static_cast<uint64_t>(numel / k); v; v >>= 1) ++b;
+  return b - 1;
+}
+inline int64_t EfHighBits(int64_t numel, int64_t k) { return k + ((numel - 1) >> EfLowBits(numel, k)); }
+
+inline int64_t IndexBytes(int64_t numel, int64_t k, bool ef) {
   if (k == 0) return 0;
-  const int64_t idx = PackedLength(k, IndexWidth(numel));
+  if (!ef) return PackedLength(k, IndexWidth(numel));
+  return (k * EfLowBits(numel, k) + 7) / 8 + (EfHighBits(numel, k) + 7) / 8;
+}
+
+inline int64_t PayloadLength(int64_t numel, int64_t k, int bits, bool ef = false) {
+  if (k == 0) return 0;
+  const int64_t idx = IndexBytes(numel, k, ef);
   return bits == 2 ? kScaleBytes + idx + (k + 3) / 4 : idx + 4 * k;
+}
+
+// index_coding attribute: "fixed" -> false, "elias_fano" -> true.
+Status ParseIndexCoding(const char* op, const std::string& s, bool* ef) {
+  if (s == "fixed") {
+    *ef = false;
+  } else if (s == "elias_fano") {
+    *ef = true;
+  } else {
+    return errors::InvalidArgument(op, ": index_coding must be 'fixed' or 'elias_fano', got '", s, "'");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+template <typename Ctx>
+Status ReadIndexCoding(Ctx* ctx, const char* op, bool* ef) {
+  std::string s;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("index_coding", &s));
+  return ParseIndexCoding(op, s, ef);
+}
+
+// Writes the Elias-Fano index section of ascending idx[0..k) (IndexBytes(numel, k, true) bytes).
+void EfEncode(const int32_t* idx, int64_t k, int64_t numel, uint8_t* dst) {
+  const int l = EfLowBits(numel, k);
+  const int64_t low_bytes = (k * l + 7) / 8;
+  if (l > 0) {
+    const PackFn pack = kPackFns[l - 1];
+    const uint32_t mask = (uint32_t{1} << l) - 1;
+    uint32_t buf[kBlock];
+    for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
+      const int64_t nb = std::min<int64_t>(kBlock, k - j0);
+      for (int64_t t = 0; t < nb; ++t) buf[t] = static_cast<uint32_t>(idx[j0 + t]) & mask;
+      pack(buf - j0, j0, nb, dst);
+    }
+  }
+  uint8_t* hi = dst + low_bytes;
+  std::memset(hi, 0, (EfHighBits(numel, k) + 7) / 8);
+  for (int64_t i = 0; i < k; ++i) {
+    const uint64_t p = (static_cast<uint64_t>(static_cast<uint32_t>(idx[i])) >> l) + static_cast<uint64_t>(i);
+    hi[p >> 3] |= static_cast<uint8_t>(1u << (p & 7));
+  }
+}
+
+// Decodes an Elias-Fano index section into out[0..k); returns false when its high part holds
+// fewer than k set bits (a malformed payload; encode never writes one). Values are exact
+// (uint32; >= numel or non-ascending values are left to the caller's checks).
+bool EfDecode(const uint8_t* src, int64_t k, int64_t numel, uint32_t* out) {
+  const int l = EfLowBits(numel, k);
+  const int64_t low_bytes = (k * l + 7) / 8;
+  if (l > 0) kUnpackFns[l - 1](src, 0, k, out);
+  else std::fill(out, out + k, 0u);
+  const uint8_t* hi = src + low_bytes;
+  const int64_t hbytes = (EfHighBits(numel, k) + 7) / 8;
+  int64_t i = 0;
+  for (int64_t b = 0; b < hbytes && i < k; ++b) {
+    uint32_t byte = hi[b];
+    while (byte != 0 && i < k) {
+      const int64_t p = 8 * b + __builtin_ctz(byte);
+      byte &= byte - 1;
+      out[i] |= static_cast<uint32_t>(static_cast<uint64_t>(p - i) << l);
+      ++i;
+    }
+  }
+  return i == k;
 }
 
 Status CheckBits(const char* op, int bits) {
@@ -385,12 +468,12 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
 // vals_at(j) gives the j-th selected value (float).
 
 template <typename ValsAt>
-void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int bits,
+void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int bits, bool ef,
             ValsAt vals_at, uint8_t* payload, float* sent) {
   if (k == 0) return;
   ::tensorflow::port::ScopedFlushDenormal flush;
   const int w = IndexWidth(numel);
-  const int64_t idx_bytes = PackedLength(k, w);
+  const int64_t idx_bytes = IndexBytes(numel, k, ef);
   const int64_t blocks = (k + kBlock - 1) / kBlock;
   const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(blocks / 2048, 4 * pool.num_threads));
   auto block_range = [&](int64_t s, int64_t* first, int64_t* count) {
@@ -399,14 +482,17 @@ void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int 
     *count = std::min(b1 * kBlock, k) - *first;
   };
   uint8_t* idx_dst = payload + (bits == 2 ? kScaleBytes : 0);
-  const PackFn pack_idx = kPackFns[w - 1];
+  // Elias-Fano: the whole index section in one sequential O(k) pass here; the shards below then
+  // skip the (fixed-width) index packing.
+  if (ef) EfEncode(idx, k, numel, idx_dst);
+  const PackFn pack_idx = ef ? nullptr : kPackFns[w - 1];
   if (bits == 32) {
     uint8_t* val_dst = payload + idx_bytes;
     pool.For(shards, 64 * kBlock * 8, [&](int64_t s) {
       int64_t first, count;
       block_range(s, &first, &count);
       if (count <= 0) return;
-      pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
+      if (pack_idx) pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
       for (int64_t j = first; j < first + count; ++j) {
         const float v = vals_at(j);
         sent[j] = v;
@@ -446,7 +532,7 @@ void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int 
     int64_t first, count;
     block_range(s, &first, &count);
     if (count <= 0) return;
-    pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
+    if (pack_idx) pack_idx(reinterpret_cast<const uint32_t*>(idx), first, count, idx_dst);
     uint32_t codes[kBlock];
     for (int64_t j0 = first; j0 < first + count; j0 += kBlock) {
       const int64_t nb = std::min<int64_t>(kBlock, first + count - j0);
@@ -546,7 +632,7 @@ class TopkSelectOp : public OpKernel {
 template <>
 struct CompressFunctor<CPUDevice> {
   // residual / new_residual: float [n] or nullptr (no error feedback); they may alias (in place).
-  void operator()(OpKernelContext* ctx, const SelectAttrs& at, int bits, const Tensor& grad,
+  void operator()(OpKernelContext* ctx, const SelectAttrs& at, int bits, bool ef, const Tensor& grad,
                   const float* residual, float* new_residual, uint64_t seed, Tensor* payload) {
     const Pool pool(ctx);
     const int64_t n = grad.NumElements(), k = at.k;
@@ -560,7 +646,7 @@ struct CompressFunctor<CPUDevice> {
     SelectTopK(pool, src, n, k, at.sample_size, at.margin, seed, idx.data());
     const float* a = src.Values();
     std::vector<float> sent(k);
-    Encode(pool, idx.data(), k, n, bits, [&](int64_t j) { return a[idx[j]]; },
+    Encode(pool, idx.data(), k, n, bits, ef, [&](int64_t j) { return a[idx[j]]; },
            payload->flat<uint8_t>().data(), sent.data());
     if (residual != nullptr) {  // residual = a - scatter(sent): only the selected entries change
       ::tensorflow::port::ScopedFlushDenormal flush;
@@ -577,6 +663,7 @@ class CompressOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcCompress", bits_));
+    OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcCompress", &ef_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
@@ -594,7 +681,7 @@ class CompressOp : public OpKernel {
     OP_REQUIRES(ctx, attrs_.k <= n,
                 errors::InvalidArgument("HgsgcCompress: k = ", attrs_.k, " exceeds numel = ", n));
     Tensor *payload = nullptr, *new_res = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_)}),
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_, ef_)}),
                                              &payload));
     if (has_res) {
       // a = grad + residual may overwrite grad's buffer when nothing else holds it.
@@ -602,7 +689,7 @@ class CompressOp : public OpKernel {
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &new_res));
     }
-    CompressFunctor<Device>()(ctx, attrs_, bits_, grad,
+    CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad,
                               has_res ? residual.flat<float>().data() : nullptr,
                               has_res ? new_res->flat<float>().data() : nullptr,
                               SeedOf(ctx->input(2)), payload);
@@ -611,6 +698,7 @@ class CompressOp : public OpKernel {
  private:
   SelectAttrs attrs_;
   int bits_ = 2;
+  bool ef_ = false;
 };
 
 // Same computation, the residual being a resource variable updated in place (under its mutex):
@@ -623,6 +711,7 @@ class CompressResidualOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcCompressResidual", bits_));
+    OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcCompressResidual", &ef_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
@@ -644,17 +733,17 @@ class CompressResidualOp : public OpKernel {
                                         "initialized float32 variable of ", n, " entries, got ",
                                         res->IsInitialized() ? res->shape().DebugString() : "uninitialized"));
     Tensor* payload = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_)}),
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_, ef_)}),
                                              &payload));
     const float* r = res->flat<float>().data();
     if (var->copy_on_read_mode.load() || !res->RefCountIsOne()) {
       Tensor fresh;  // someone holds the old value: write the new residual to a new buffer
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, res->shape(), &fresh));
-      CompressFunctor<Device>()(ctx, attrs_, bits_, grad, r, fresh.flat<float>().data(),
+      CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, r, fresh.flat<float>().data(),
                                 SeedOf(ctx->input(2)), payload);
       *res = fresh;
     } else {
-      CompressFunctor<Device>()(ctx, attrs_, bits_, grad, r, res->flat<float>().data(),
+      CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, r, res->flat<float>().data(),
                                 SeedOf(ctx->input(2)), payload);
     }
   }
@@ -662,15 +751,16 @@ class CompressResidualOp : public OpKernel {
  private:
   SelectAttrs attrs_;
   int bits_ = 2;
+  bool ef_ = false;
 };
 
 template <>
 struct SparseEncodeFunctor<CPUDevice> {
-  void operator()(OpKernelContext* ctx, int64_t numel, int bits, const Tensor& indices,
+  void operator()(OpKernelContext* ctx, int64_t numel, int bits, bool ef, const Tensor& indices,
                   const Tensor& values, Tensor* payload, Tensor* sent) {
     const Pool pool(ctx);
     const float* v = values.flat<float>().data();
-    Encode(pool, indices.flat<int32_t>().data(), indices.dim_size(0), numel, bits,
+    Encode(pool, indices.flat<int32_t>().data(), indices.dim_size(0), numel, bits, ef,
            [v](int64_t j) { return v[j]; }, payload->flat<uint8_t>().data(),
            sent->flat<float>().data());
   }
@@ -683,6 +773,7 @@ class SparseEncodeOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("numel", &numel_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcSparseEncode", bits_));
+    OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcSparseEncode", &ef_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& indices = ctx->input(0);
@@ -703,14 +794,15 @@ class SparseEncodeOp : public OpKernel {
                                           "[0, numel = ", numel_, "); position ", j, " holds ", idx[j]));
     }
     Tensor *payload = nullptr, *sent = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(numel_, k, bits_)}), &payload));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(numel_, k, bits_, ef_)}), &payload));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &sent));
-    SparseEncodeFunctor<Device>()(ctx, numel_, bits_, indices, values, payload, sent);
+    SparseEncodeFunctor<Device>()(ctx, numel_, bits_, ef_, indices, values, payload, sent);
   }
 
  private:
   int64_t numel_ = 0;
   int bits_ = 2;
+  bool ef_ = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -726,7 +818,7 @@ struct PayloadView {
 
 template <>
 struct DecodeAccumulateFunctor<CPUDevice> {
-  void operator()(OpKernelContext* ctx, int64_t numel, int64_t k, int bits, int64_t offset,
+  void operator()(OpKernelContext* ctx, int64_t numel, int64_t k, int bits, bool ef, int64_t offset,
                   const Tensor& gathered, Tensor* sum) {
     const Pool pool(ctx);
     const int64_t n = gathered.dim_size(0), P = gathered.dim_size(1);
@@ -745,7 +837,7 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     for (int64_t r = 0; r < n; ++r) {
       const uint8_t* p = base + r * P + offset;
       PayloadView& v = pv[r];
-      v.idx_bytes = PackedLength(k, w);
+      v.idx_bytes = IndexBytes(numel, k, ef);
       if (bits == 2) {
         std::memcpy(&v.lo, p, 4);
         std::memcpy(&v.hi, p + 4, 4);
@@ -756,6 +848,21 @@ struct DecodeAccumulateFunctor<CPUDevice> {
         v.val_bytes = 4 * k;
       }
       v.vals = v.idx + v.idx_bytes;
+    }
+    // Elias-Fano: every payload's indices decoded first (n k uint32, the sparse size; one
+    // sequential pass per payload, payloads in parallel), then the same accumulate as below.
+    std::vector<uint32_t> dec(ef ? n * k : 0);
+    if (ef) {
+      std::vector<char> ok(n, 1);
+      pool.For(n, 16 * k, [&](int64_t r) { ok[r] = EfDecode(pv[r].idx, k, numel, dec.data() + r * k); });
+      for (int64_t r = 0; r < n; ++r) {
+        if (!ok[r]) {
+          ctx->CtxFailure(errors::InvalidArgument(
+              "HgsgcDecodeAccumulate: payload of rank ", r, ": the Elias-Fano high part holds fewer "
+              "than k = ", k, " set bits (not an index_coding=elias_fano payload?)"));
+          return;
+        }
+      }
     }
     // seg[r * (chunks + 1) + c]: first entry of payload r whose index is >= the chunk's start.
     std::vector<int64_t> seg(n * (chunks + 1));
@@ -768,12 +875,13 @@ struct DecodeAccumulateFunctor<CPUDevice> {
         int64_t lo = 0, hi = k;  // lower_bound on the packed (ascending) indices
         while (lo < hi) {
           const int64_t mid = (lo + hi) / 2;
-          if (ExtractValue(pv[r].idx, pv[r].idx_bytes, mid, w) < start) lo = mid + 1; else hi = mid;
+          const uint32_t x = ef ? dec[r * k + mid] : ExtractValue(pv[r].idx, pv[r].idx_bytes, mid, w);
+          if (x < start) lo = mid + 1; else hi = mid;
         }
         s[c] = lo;
       }
     });
-    const UnpackFn unpack_idx = kUnpackFns[w - 1];
+    const UnpackFn unpack_idx = kUnpackFns[w - 1];  // fixed coding only
     const UnpackFn unpack_codes = kUnpackFns[1];
     std::mutex err_mu;
     std::string err;
@@ -794,7 +902,8 @@ struct DecodeAccumulateFunctor<CPUDevice> {
         int64_t prev = cb - 1;
         for (int64_t b0 = s / kBlock * kBlock; b0 < e && !failed; b0 += kBlock) {
           const int64_t nb = std::min<int64_t>(kBlock, k - b0);
-          unpack_idx(v.idx, b0, nb, ib - b0);
+          if (ef) std::memcpy(ib, dec.data() + r * k + b0, sizeof(uint32_t) * nb);
+          else unpack_idx(v.idx, b0, nb, ib - b0);
           if (bits == 2) unpack_codes(v.vals, b0, nb, cbuf - b0);
           const int64_t j1 = std::min<int64_t>(e, b0 + nb);
           for (int64_t j = std::max(s, b0); j < j1; ++j) {
@@ -835,6 +944,7 @@ class DecodeAccumulateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("offset", &offset_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcDecodeAccumulate", bits_));
+    OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcDecodeAccumulate", &ef_));
     OP_REQUIRES(ctx, numel_ >= 0 && numel_ < (int64_t{1} << 31) && k_ >= 0 && k_ <= numel_ && offset_ >= 0,
                 errors::InvalidArgument("HgsgcDecodeAccumulate: need 0 <= k <= numel < 2^31 and "
                                         "offset >= 0, got numel = ", numel_, ", k = ", k_,
@@ -845,19 +955,20 @@ class DecodeAccumulateOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(gathered.shape()),
                 errors::InvalidArgument("HgsgcDecodeAccumulate: gathered must be uint8 [n, P] (one "
                                         "row per rank), got shape ", gathered.shape().DebugString()));
-    const int64_t need = offset_ + PayloadLength(numel_, k_, bits_);
+    const int64_t need = offset_ + PayloadLength(numel_, k_, bits_, ef_);
     OP_REQUIRES(ctx, gathered.dim_size(1) >= need,
                 errors::InvalidArgument("HgsgcDecodeAccumulate: rows of ", gathered.dim_size(1),
                                         " bytes cannot hold a payload of ", need - offset_,
                                         " bytes at offset ", offset_));
     Tensor* sum = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &sum));
-    DecodeAccumulateFunctor<Device>()(ctx, numel_, k_, bits_, offset_, gathered, sum);
+    DecodeAccumulateFunctor<Device>()(ctx, numel_, k_, bits_, ef_, offset_, gathered, sum);
   }
 
  private:
   int64_t numel_ = 0, k_ = 0, offset_ = 0;
   int bits_ = 2;
+  bool ef_ = false;
 };
 
 }  // namespace
@@ -896,16 +1007,19 @@ REGISTER_OP("HgsgcSparseEncode")
     .Output("sent: float")
     .Attr("numel: int >= 0")
     .Attr("bits: int")
+    .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
     .SetShapeFn([](InferenceContext* c) -> Status {
       ShapeHandle idx;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &idx));
       int64_t numel = 0;
       int bits = 0;
+      bool ef = false;
       TF_RETURN_IF_ERROR(c->GetAttr("numel", &numel));
       TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcSparseEncode", &ef));
       auto k = c->Dim(idx, 0);
-      c->set_output(0, c->Vector(c->ValueKnown(k) && (bits == 2 || bits == 32)
-                                     ? c->MakeDim(PayloadLength(numel, c->Value(k), bits))
+      c->set_output(0, c->Vector(c->ValueKnown(k) && (bits == 2 || bits == 32) && c->Value(k) <= numel
+                                     ? c->MakeDim(PayloadLength(numel, c->Value(k), bits, ef))
                                      : c->UnknownDim()));
       c->set_output(1, c->Vector(k));
       return ::tensorflow::OkStatus();
@@ -922,17 +1036,20 @@ REGISTER_OP("HgsgcCompress")
     .Attr("bits: int")
     .Attr("sample_size: int = 1024")
     .Attr("margin: float = 1.5")
+    .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
     .SetShapeFn([](InferenceContext* c) -> Status {
       ShapeHandle g, r;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &g));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &r));
       int64_t k = 0;
       int bits = 0;
+      bool ef = false;
       TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
       TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcCompress", &ef));
       auto n = c->Dim(g, 0);
-      c->set_output(0, c->Vector(c->ValueKnown(n) && (bits == 2 || bits == 32)
-                                     ? c->MakeDim(PayloadLength(c->Value(n), k, bits))
+      c->set_output(0, c->Vector(c->ValueKnown(n) && (bits == 2 || bits == 32) && k <= c->Value(n)
+                                     ? c->MakeDim(PayloadLength(c->Value(n), k, bits, ef))
                                      : c->UnknownDim()));
       c->set_output(1, r);
       return ::tensorflow::OkStatus();
@@ -948,18 +1065,21 @@ REGISTER_OP("HgsgcCompressResidual")
     .Attr("bits: int")
     .Attr("sample_size: int = 1024")
     .Attr("margin: float = 1.5")
+    .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) -> Status {
       int64_t k = 0;
       int bits = 0;
+      bool ef = false;
       TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
       TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcCompressResidual", &ef));
       int64_t n = -1;
       if (c->FullyDefined(c->input(0))) {
         n = 1;
         for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
       }
-      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) ? c->MakeDim(PayloadLength(n, k, bits))
+      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) && k <= n ? c->MakeDim(PayloadLength(n, k, bits, ef))
                                                                      : c->UnknownDim()));
       return ::tensorflow::OkStatus();
     })
@@ -972,6 +1092,7 @@ REGISTER_OP("HgsgcDecodeAccumulate")
     .Attr("k: int >= 0")
     .Attr("bits: int")
     .Attr("offset: int = 0")
+    .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
     .SetShapeFn([](InferenceContext* c) -> Status {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &unused));

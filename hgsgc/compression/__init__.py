@@ -129,6 +129,12 @@ class SparseCompression:
             run the first exchanges while earlier layers' gradients are still computed. Top-k,
             error feedback and the averages are per tensor, so they are the same bit for bit
             for every B; only the number of collectives (``messages``) changes.
+        index_coding: how each payload's ascending indices are coded: ``"fixed"`` (default,
+            ``ceil(log2 numel)`` bits each) or ``"elias_fano"`` (Elias 1974 / Fano 1971 /
+            Vigna 2013: ``floor(log2(numel / k))`` low bits each plus a unary high part, about
+            ``k (l + 2)`` bits; layout and exact length in :mod:`hgsgc.compression.wire`). Both
+            are lossless and of a length fixed by ``(numel, k)``, so training is bit for bit the
+            same; only the payload (and ``bytes_sent``) shrinks. Every hierarchy supports it.
     """
 
     density: float
@@ -143,6 +149,7 @@ class SparseCompression:
     dense_vectors: bool = False
     momentum_masking: bool = True
     buckets: int = 1
+    index_coding: str = "fixed"
 
     def __post_init__(self):
         if isinstance(self.density, (str, bytes, bool)):
@@ -181,6 +188,9 @@ class SparseCompression:
         if self.buckets > 1 and self.hierarchy != "allgather":
             raise ValueError(f"buckets={self.buckets} splits the flat allgather: it needs "
                              f"hierarchy='allgather', got {self.hierarchy!r}")
+        from hgsgc.compression.wire import check_index_coding
+
+        check_index_coding(self.index_coding)
         if self.local_clip_norm is not None:
             _check_positive("local_clip_norm", self.local_clip_norm, "e.g. local_clip_norm=5.0")
             if self.delay != 1:
@@ -200,7 +210,7 @@ class SparseCompression:
     def codec(self):
         from hgsgc.compression.codec import TopKCodec
 
-        return TopKCodec(self.density, self.bits, self.selector)
+        return TopKCodec(self.density, self.bits, self.selector, self.index_coding)
 
     def payload_bytes(self, shapes) -> int:
         """Sum of the top-k codec's ``payload_length`` over float32 ``shapes`` (bytes); with
@@ -409,21 +419,22 @@ class Compression:
     def topk(density: float, bits: int = 32, selector: str = "exact",
              error_feedback: bool = True, hierarchy: str = "allgather",
              momentum_correction: bool = False, momentum_masking: bool = True,
-             buckets: int = 1) -> SparseCompression:
+             buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
                                  error_feedback=error_feedback, method="topk",
                                  hierarchy=hierarchy, momentum_correction=momentum_correction,
-                                 momentum_masking=momentum_masking, buckets=buckets)
+                                 momentum_masking=momentum_masking, buckets=buckets,
+                                 index_coding=index_coding)
 
     @staticmethod
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
             selector: str = "sampled", error_feedback: bool = True,
             momentum_correction: bool = False, momentum_masking: bool = True,
-            buckets: int = 1) -> SparseCompression:
+            buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
                                  selector=selector, error_feedback=error_feedback, method="sgc",
                                  momentum_correction=momentum_correction, momentum_masking=momentum_masking,
-                                 buckets=buckets)
+                                 buckets=buckets, index_coding=index_coding)
 
     @staticmethod
     def localsgd(delay: int) -> DenseCompression:
@@ -432,11 +443,11 @@ class Compression:
     @staticmethod
     def dgc(density: float, local_clip_norm: Optional[float] = None, selector: str = "sampled",
             hierarchy: str = "allgather", momentum_masking: bool = True,
-            buckets: int = 1) -> SparseCompression:
+            buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
         return SparseCompression(density=density, bits=32, delay=1, selector=selector,
                                  method="dgc", hierarchy=hierarchy, momentum_correction=True,
                                  local_clip_norm=local_clip_norm, momentum_masking=momentum_masking,
-                                 buckets=buckets)
+                                 buckets=buckets, index_coding=index_coding)
 
     @staticmethod
     def terngrad(clip_sigma: float = 2.5) -> TernGradCompression:
@@ -505,7 +516,8 @@ def _sparse_from_config(method):
             error_feedback=c.error_feedback, method=method,
             momentum_correction=c.momentum_correction or method == "dgc",
             local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors),
-            momentum_masking=bool(c.momentum_masking), buckets=getattr(c, "buckets", 1))
+            momentum_masking=bool(c.momentum_masking), buckets=getattr(c, "buckets", 1),
+            index_coding=getattr(c, "index_coding", "fixed"))
     return build
 
 

@@ -38,10 +38,15 @@ class TopKCodec:
         bits: 2 (2-bit codes + [lo, hi] scales) or 32 (fp32 values).
         selector: ``"exact"`` top-k or ``"sampled"`` threshold (seeded by the exchange's
             random-number step: ``[step mod 2^30, 1013]``); both select the same entries.
+        index_coding: ``"fixed"`` (``ceil(log2 numel)`` bits per index) or ``"elias_fano"``
+            (:mod:`.wire`); lossless either way, only the payload length differs.
     """
 
-    def __init__(self, density: float, bits: int, selector: str = "exact"):
+    def __init__(self, density: float, bits: int, selector: str = "exact", index_coding: str = "fixed"):
+        from hgsgc.compression.wire import check_index_coding
+
         self.density, self.bits, self.selector = density, bits, selector
+        self.index_coding = check_index_coding(index_coding)
 
     def k(self, numel: int) -> int:
         from hgsgc.compression.sparsify import num_selected
@@ -49,8 +54,9 @@ class TopKCodec:
         return num_selected(numel, self.density)
 
     def payload_length(self, numel: int) -> int:
-        """:func:`payload_length` with ``k = num_selected(numel, density)``."""
-        return payload_length(numel, self.k(numel), self.bits)
+        """:func:`payload_length` with ``k = num_selected(numel, density)`` and this codec's
+        ``index_coding``."""
+        return payload_length(numel, self.k(numel), self.bits, self.index_coding)
 
     def select(self, a, k: int, ctx):
         """``(indices int32 [k] ascending, values float32 [k])`` of float32 ``a`` ``[numel]``.
@@ -73,9 +79,10 @@ class TopKCodec:
         numel = int(a.shape[0])
         idx, vals = self.select(a, self.k(numel), ctx)
         if ops.use_compression_kernels():  # fused quantize + pack (same bytes as encode())
-            payload, sent = kernels.sparse_encode(idx, vals, numel, self.bits, backend="custom")
+            payload, sent = kernels.sparse_encode(idx, vals, numel, self.bits, backend="custom",
+                                                  index_coding=self.index_coding)
         else:
-            payload, sent = encode(idx, vals, numel, self.bits)
+            payload, sent = encode(idx, vals, numel, self.bits, self.index_coding)
         return payload, idx, sent
 
     def encode(self, a, ctx, index: int):
@@ -86,14 +93,15 @@ class TopKCodec:
 
     def decode(self, payload, numel: int):
         """uint8 payload -> float32 ``[numel]`` (zeros off the selection)."""
-        idx, vals = decode(payload, numel, self.k(numel), self.bits)
+        idx, vals = decode(payload, numel, self.k(numel), self.bits, self.index_coding)
         return tf.scatter_nd(idx[:, None], vals, [numel])
 
     def decode_sum(self, gathered, numel: int, offset: int):
         """Rank-order sum of every row's payload at byte ``offset`` of uint8 ``gathered``
         ``[n, P]``: float32 ``[numel]`` (``hgsgc.compression.kernels.decode_accumulate``: one pass per payload,
         no per-rank dense tensor; pure-TF reference: one ``tf.scatter_nd`` of all entries)."""
-        return kernels.decode_accumulate(gathered, numel, self.k(numel), self.bits, offset=offset)
+        return kernels.decode_accumulate(gathered, numel, self.k(numel), self.bits, offset=offset,
+                                         index_coding=self.index_coding)
 
     def compress_into(self, x, residual, ctx):
         """Error feedback fused with encoding: ``a = x + residual``, payload of ``a``'s top-k,
@@ -106,4 +114,5 @@ class TopKCodec:
             uint8 ``[payload_length(numel)]`` (the bytes :meth:`encode` gives for ``a``).
         """
         numel = int(x.shape[0])
-        return kernels.compress_into(x, residual, self.k(numel), self.bits, seed=ctx.step)
+        return kernels.compress_into(x, residual, self.k(numel), self.bits, seed=ctx.step,
+                                     index_coding=self.index_coding)

@@ -125,7 +125,7 @@ def topk_select_reference(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_
                                   margin=margin, seed=_seed_pair(seed))
 
 
-def sparse_encode(indices, values, numel, bits, backend=None):
+def sparse_encode(indices, values, numel, bits, backend=None, index_coding="fixed"):
     """Fused 2-bit quantization + bit packing of selected entries into the wire payload.
 
     Same payload as ``hgsgc.compression.codec.encode`` byte for byte (layout in its module
@@ -136,9 +136,11 @@ def sparse_encode(indices, values, numel, bits, backend=None):
         indices: int32 ``[k]`` strictly ascending in ``[0, numel)``; values: float32 ``[k]``.
         numel: entries of the dense tensor (Python int); bits: 2 or 32.
         backend: see :func:`topk_select`.
+        index_coding: ``"fixed"`` (``w`` bits per index) or ``"elias_fano"`` (the index section
+            in the Elias-Fano layout of :mod:`hgsgc.compression.wire`).
 
     Returns:
-        ``(payload uint8 [wire.payload_length(numel, k, bits)], sent float32 [k])``; ``sent`` is
+        ``(payload uint8 [wire.payload_length(numel, k, bits, index_coding)], sent float32 [k])``; ``sent`` is
         what a receiver decodes (the quantized values for ``bits=2``).
 
     Raises:
@@ -146,24 +148,27 @@ def sparse_encode(indices, values, numel, bits, backend=None):
         ValueError / TypeError: bad shapes, dtypes or ``bits``.
     """
     bits = _check_bits(bits)
+    wire.check_index_coding(index_coding)
     values = _float_vector(values, "values")
     indices = tf.convert_to_tensor(indices, tf.int32)
     if indices.shape.rank != 1 or indices.shape[0] != values.shape[0]:
         raise ValueError(f"indices {indices.shape} and values {values.shape} must be 1-D of the same length")
     _check_k(int(values.shape[0]), int(numel))
     if ops._resolve_compression(backend) == "reference":
-        return sparse_encode_reference(indices, values, numel, bits)
-    return ops.load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits)
+        return sparse_encode_reference(indices, values, numel, bits, index_coding)
+    return ops.load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits,
+                                          index_coding=index_coding)
 
 
-def sparse_encode_reference(indices, values, numel, bits):
+def sparse_encode_reference(indices, values, numel, bits, index_coding="fixed"):
     """Reference of :func:`sparse_encode`: ``hgsgc.compression.codec.encode``."""
     return wire.encode(tf.convert_to_tensor(indices, tf.int32),
-                        tf.convert_to_tensor(values, tf.float32), int(numel), _check_bits(bits))
+                        tf.convert_to_tensor(values, tf.float32), int(numel), _check_bits(bits),
+                        index_coding)
 
 
 def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
-             seed=None, backend=None):
+             seed=None, backend=None, index_coding="fixed"):
     """One rank's sparse compression of one tensor, fused into one pass over its entries.
 
     With error feedback (Seide et al. 2014; Lin et al. 2018): ``a = grad + residual``
@@ -176,11 +181,12 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
     Args:
         grad: float32 ``[numel]``; residual: float32 ``[numel]`` or None (no error feedback).
         k: Python int in ``[0, numel]``; bits: 2 or 32; sample_size, margin, seed: as
-        :func:`topk_select`; backend: see :func:`topk_select`.
+        :func:`topk_select`; backend: see :func:`topk_select`; index_coding: ``"fixed"`` or
+        ``"elias_fano"`` (:mod:`hgsgc.compression.wire`).
 
     Returns:
-        ``(payload uint8 [wire.payload_length(numel, k, bits)], new_residual float32 [numel]
-        or None when residual is None)``.
+        ``(payload uint8 [wire.payload_length(numel, k, bits, index_coding)], new_residual
+        float32 [numel] or None when residual is None)``.
 
     Raises:
         ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
@@ -190,20 +196,22 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
     k = _check_k(k, numel)
     bits = _check_bits(bits)
     sample_size, margin = _check_select_args(sample_size, margin)
+    wire.check_index_coding(index_coding)
     if residual is not None:
         residual = _float_vector(residual, "residual")
         if int(residual.shape[0]) != numel:
             raise ValueError(f"residual has {residual.shape[0]} entries but grad has {numel}")
     if ops._resolve_compression(backend) == "reference":
-        return compress_reference(grad, residual, k, bits, sample_size, margin, seed)
+        return compress_reference(grad, residual, k, bits, sample_size, margin, seed, index_coding)
     res = residual if residual is not None else tf.zeros([0], tf.float32)
     payload, new_res = ops.load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
-                                             sample_size=sample_size, margin=margin)
+                                             sample_size=sample_size, margin=margin,
+                                             index_coding=index_coding)
     return payload, (new_res if residual is not None else None)
 
 
 def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
-                  seed=None, backend=None):
+                  seed=None, backend=None, index_coding="fixed"):
     """:func:`compress` with the residual a ``tf.Variable``, updated in place.
 
     The kernel (``HgsgcCompressResidual``) reads ``grad`` and the residual once and writes the new
@@ -215,7 +223,7 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
             ``tf.Variable`` with ``numel`` entries (any shape). Other arguments: :func:`compress`.
 
     Returns:
-        payload uint8 ``[wire.payload_length(numel, k, bits)]``; the variable holds
+        payload uint8 ``[wire.payload_length(numel, k, bits, index_coding)]``; the variable holds
         ``a - scatter(idx, sent)`` afterwards (``a = grad + residual``), bit for bit as
         :func:`compress_reference`. Inside a ``tf.function`` the update is ordered before any
         later read of the variable (automatic control dependencies).
@@ -233,17 +241,19 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
     k = _check_k(k, numel)
     bits = _check_bits(bits)
     sample_size, margin = _check_select_args(sample_size, margin)
+    wire.check_index_coding(index_coding)
     if ops._resolve_compression(backend) == "reference":
         payload, new_res = compress_reference(tf.reshape(grad, [-1]), tf.reshape(residual, [-1]), k,
-                                              bits, sample_size, margin, seed)
+                                              bits, sample_size, margin, seed, index_coding)
         with tf.control_dependencies([residual.assign(tf.reshape(new_res, residual.shape))]):
             return tf.identity(payload)
     return ops.load().hgsgc_compress_residual(grad, residual.handle, _seed64(seed), k=k, bits=bits,
-                                          sample_size=sample_size, margin=margin)
+                                          sample_size=sample_size, margin=margin,
+                                          index_coding=index_coding)
 
 
 def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,
-                       margin=DEFAULT_MARGIN, seed=None):
+                       margin=DEFAULT_MARGIN, seed=None, index_coding="fixed"):
     """Reference of :func:`compress`: the communicator's path (``ResidualMemory.compensate``,
     ``sampled_threshold_topk``, ``codec.encode``, ``a - tf.scatter_nd(idx, sent)``)."""
     grad = _float_vector(grad, "grad")
@@ -251,13 +261,14 @@ def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,
     a = grad + residual if residual is not None else grad
     idx, vals = sampled_threshold_topk(a, k, sample_size=sample_size, margin=margin,
                                        seed=_seed_pair(seed))
-    payload, sent = wire.encode(idx, vals, numel, bits)
+    payload, sent = wire.encode(idx, vals, numel, bits, index_coding)
     if residual is None:
         return payload, None
     return payload, a - tf.scatter_nd(idx[:, None], sent, [numel])
 
 
-def _check_gathered(gathered, numel, k, bits, offset):
+def _check_gathered(gathered, numel, k, bits, offset, index_coding="fixed"):
+    wire.check_index_coding(index_coding)
     gathered = tf.convert_to_tensor(gathered)
     if gathered.dtype != tf.uint8 or gathered.shape.rank != 2 or gathered.shape[0] is None:
         raise ValueError(f"gathered must be uint8 [n, P] with a static n (one row per rank), got "
@@ -267,14 +278,14 @@ def _check_gathered(gathered, numel, k, bits, offset):
     bits = _check_bits(bits)
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"offset must be a Python int >= 0, got {offset!r}")
-    p = wire.payload_length(numel, k, bits)
+    p = wire.payload_length(numel, k, bits, index_coding)
     if gathered.shape[1] is not None and int(gathered.shape[1]) < int(offset) + p:
         raise ValueError(f"rows of {gathered.shape[1]} bytes cannot hold a payload of {p} bytes "
                          f"at offset {offset}")
     return gathered, numel, k, bits, int(offset), p
 
 
-def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
+def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_coding="fixed"):
     """Decode, dequantize and sum every rank's payload of one tensor, in rank order.
 
     ``sum[i] = ((0 + v_0[i]) + v_1[i]) + ... + v_{n-1}[i]`` over the ranks that sent entry ``i``
@@ -289,6 +300,7 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
             (``wire.payload_length(numel, k, bits)`` bytes) starts at byte ``offset`` of every row.
         numel, k, bits: the tensor's entries, entries sent per rank, 2 or 32 (Python ints).
         offset: byte offset of the payload in each row. backend: see :func:`topk_select`.
+        index_coding: ``"fixed"`` or ``"elias_fano"`` (how the payloads' indices are coded).
 
     Returns:
         float32 ``[numel]``.
@@ -298,20 +310,21 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None):
             ascending or reach ``numel`` (encode never produces one).
         ValueError: bad shapes, ``k``, ``bits`` or ``offset``.
     """
-    gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset)
+    gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     if ops._resolve_compression(backend) == "reference":
-        return decode_accumulate_reference(gathered, numel, k, bits, offset)
-    return ops.load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset)
+        return decode_accumulate_reference(gathered, numel, k, bits, offset, index_coding)
+    return ops.load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset,
+                                              index_coding=index_coding)
 
 
-def decode_accumulate_reference(gathered, numel, k, bits, offset=0):
+def decode_accumulate_reference(gathered, numel, k, bits, offset=0, index_coding="fixed"):
     """Reference of :func:`decode_accumulate`: ``codec.decode`` of every rank's payload, then one
     ``tf.scatter_nd`` of all entries concatenated in rank order (its CPU kernel adds the updates
     one after another from +0: the strict rank-order sum, in eager and graph mode alike)."""
-    gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset)
+    gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     idxs, vals = [], []
     for r in range(int(gathered.shape[0])):
-        i, v = wire.decode(gathered[r, offset:offset + p], numel, k, bits)
+        i, v = wire.decode(gathered[r, offset:offset + p], numel, k, bits, index_coding)
         idxs.append(i)
         vals.append(v)
     if not idxs or k == 0:

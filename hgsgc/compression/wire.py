@@ -11,6 +11,27 @@ delta coding that keeps the length known in advance). Layout, little-endian:
 So ``payload_length = ceil(k w / 8) + (8 + ceil(k / 4) if bits == 2 else 4 k)``; for comparison
 the DESIGN.md figure with int32 indices is ``4k + k/4 + scales``: fixed-width packing saves
 ``(32 - w) k / 8`` bytes. Indices travel sorted ascending.
+
+Index coding (``compression.index_coding``): ``"fixed"`` (default, above) or ``"elias_fano"``,
+the Elias-Fano code of the ascending index sequence (P. Elias, "Efficient storage and retrieval
+by content and address of static files", J. ACM 1974; R. Fano, "On the number of bits required
+to implement an associative memory", MIT Project MAC memo 61, 1971; S. Vigna, "Quasi-succinct
+indices", WSDM 2013). Its length depends on ``(numel, k)`` only, so payloads keep a length known
+in advance. With ``l = ef_low_bits(numel, k) = floor(log2(numel / k))`` (integer arithmetic:
+``bit_length(numel // k) - 1``, >= 0 since ``k <= numel``) and ``H = k + ((numel - 1) >> l)``:
+
+* low part: ``x_i & (2^l - 1)`` for every index, packed with width ``l`` exactly like the fixed
+  code (``ceil(k l / 8)`` bytes; absent when ``l == 0``);
+* high part: a bit vector of ``H`` bits (``ceil(H / 8)`` bytes, starting on a byte boundary
+  after the low part) with bit ``(x_i >> l) + i`` set for ``i = 0..k-1`` and every other bit 0
+  (the high parts in unary: ``i``-th set bit at position ``p_i`` gives ``x_i >> l = p_i - i``).
+  ``H`` is the fewest bits that hold the largest possible position ``((numel - 1) >> l) + k - 1``.
+  Bit ``j`` is bit ``j % 8`` of byte ``j // 8`` (the stream layout of :mod:`hgsgc.ops`).
+
+So the index section takes ``ceil(k l / 8) + ceil((k + ((numel - 1) >> l)) / 8)`` bytes (about
+``k (l + 2) / 8``) instead of ``ceil(k w / 8)``; the rest of the layout is unchanged (the index
+section sits where the fixed-width indices do). E.g. ``numel = 1,600,000``, ``k = 8,000``:
+``l = 7``, 7,000 + 2,563 = 9,563 B instead of 21,000 B.
 """
 from __future__ import annotations
 
@@ -22,6 +43,8 @@ from hgsgc import ops
 from hgsgc.compression import quantize
 
 SUPPORTED_BITS = (2, 32)
+#: Accepted values of ``compression.index_coding`` (module docstring).
+INDEX_CODINGS = ("fixed", "elias_fano")
 
 
 def index_width(numel: int) -> int:
@@ -29,19 +52,71 @@ def index_width(numel: int) -> int:
     return max(1, (int(numel) - 1).bit_length())
 
 
-def payload_length(numel: int, k: int, bits: int) -> int:
-    """Exact payload size in bytes of ``k`` entries of a ``numel``-entry tensor (see module doc).
+def check_index_coding(index_coding: str) -> str:
+    """``index_coding`` if it is one of :data:`INDEX_CODINGS`, else ValueError naming the fix."""
+    if index_coding not in INDEX_CODINGS:
+        raise ValueError(f"compression.index_coding must be one of {INDEX_CODINGS} (default "
+                         f"'fixed'), got {index_coding!r}")
+    return index_coding
 
-    Raises:
-        ValueError: ``bits`` not in (2, 32) or ``k`` outside ``[0, numel]``.
+
+def ef_low_bits(numel: int, k: int) -> int:
+    """Elias-Fano low bits per index: ``l = max(0, floor(log2(numel / k)))`` for ``1 <= k <= numel``,
+    computed exactly as ``bit_length(numel // k) - 1`` (``floor(log2 x) = floor(log2 floor(x))``
+    for ``x >= 1``). Raises ValueError for ``k`` outside ``[1, numel]``."""
+    numel, k = int(numel), int(k)
+    if not 1 <= k <= numel:
+        raise ValueError(f"k={k} outside [1, numel={numel}]")
+    return (numel // k).bit_length() - 1
+
+
+def ef_high_bits(numel: int, k: int) -> int:
+    """Bits of the Elias-Fano high part (unary bit vector): ``H = k + ((numel - 1) >> l)``."""
+    return int(k) + ((int(numel) - 1) >> ef_low_bits(numel, k))
+
+
+def index_bytes(numel: int, k: int, index_coding: str = "fixed") -> int:
+    """Bytes of the index section of a payload with ``k`` of ``numel`` entries (int, exact).
+
+    * ``"fixed"``: ``ceil(k w / 8)``, ``w = index_width(numel) = max(1, ceil(log2 numel))``;
+    * ``"elias_fano"``: ``ceil(k l / 8) + ceil((k + ((numel - 1) >> l)) / 8)`` with
+      ``l = floor(log2(numel / k))`` (module docstring; Elias 1974, Fano 1971, Vigna 2013).
+
+    0 when ``k == 0``. Raises ValueError: unknown coding or ``k`` outside ``[0, numel]``.
     """
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    check_index_coding(index_coding)
+    numel, k = int(numel), int(k)
     if not 0 <= k <= numel:
         raise ValueError(f"k={k} outside [0, numel={numel}]")
     if k == 0:
         return 0
-    idx_bytes = math.ceil(k * index_width(numel) / 8)
+    if index_coding == "fixed":
+        return math.ceil(k * index_width(numel) / 8)
+    low = ef_low_bits(numel, k)
+    return (k * low + 7) // 8 + (ef_high_bits(numel, k) + 7) // 8
+
+
+def payload_length(numel: int, k: int, bits: int, index_coding: str = "fixed") -> int:
+    """Exact payload size in bytes of ``k`` entries of a ``numel``-entry tensor (see module doc).
+
+    ``payload_length = I + (8 + ceil(k / 4) if bits == 2 else 4 k)`` for ``k >= 1`` (0 for
+    ``k == 0``), where ``I = index_bytes(numel, k, index_coding)``: ``ceil(k w / 8)`` for
+    ``"fixed"`` (``w = ceil(log2 numel)``), ``ceil(k l / 8) + ceil((k + ((numel - 1) >> l)) / 8)``
+    for ``"elias_fano"`` (``l = floor(log2(numel / k))``; Elias 1974, Fano 1971, Vigna 2013).
+    Both depend on ``(numel, k, bits, index_coding)`` only, so the length is known in advance.
+
+    Raises:
+        ValueError: ``bits`` not in (2, 32), ``k`` outside ``[0, numel]`` or an unknown
+        ``index_coding``.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    check_index_coding(index_coding)
+    if not 0 <= k <= numel:
+        raise ValueError(f"k={k} outside [0, numel={numel}]")
+    if k == 0:
+        return 0
+    idx_bytes = index_bytes(numel, k, index_coding)
     if bits == 2:
         return quantize.SCALE_BYTES + idx_bytes + math.ceil(k / 4)
     return idx_bytes + 4 * k
@@ -55,24 +130,77 @@ def _bytes_to_f32(b):
     return tf.bitcast(tf.reshape(b, [-1, 4]), tf.float32)
 
 
-def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int):
+def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") -> tf.Tensor:
+    """The index section of a payload (pure TensorFlow, with :func:`hgsgc.ops.pack_bits`).
+
+    Args:
+        indices: int32 ``[k]`` (static ``k``), strictly ascending, in ``[0, numel)``.
+        numel: entries of the dense tensor; index_coding: ``"fixed"`` or ``"elias_fano"``.
+
+    Returns:
+        uint8 ``[index_bytes(numel, k, index_coding)]`` (layouts in the module docstring).
+    """
+    check_index_coding(index_coding)
+    indices = tf.convert_to_tensor(indices, tf.int32)
+    k = int(indices.shape[0])
+    if k == 0:
+        return tf.zeros([0], tf.uint8)
+    if index_coding == "fixed":
+        return ops.pack_bits(indices, index_width(numel))
+    low = ef_low_bits(numel, k)
+    high = ef_high_bits(numel, k)
+    parts = []
+    if low > 0:
+        parts.append(ops.pack_bits(tf.bitwise.bitwise_and(indices, (1 << low) - 1), low))
+    pos = tf.bitwise.right_shift(indices, low) + tf.range(k, dtype=tf.int32)  # ascending, < high
+    unary = tf.scatter_nd(pos[:, None], tf.ones([k], tf.int32), [high])
+    parts.append(ops.pack_bits(unary, 1))
+    out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    return tf.ensure_shape(out, [index_bytes(numel, k, index_coding)])
+
+
+def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "fixed") -> tf.Tensor:
+    """Inverse of :func:`encode_indices`: uint8 ``[index_bytes(numel, k, index_coding)]`` ->
+    int32 ``[k]``. Raises InvalidArgumentError (when run) for an Elias-Fano section whose high
+    part holds fewer than ``k`` set bits (encode never produces one)."""
+    check_index_coding(index_coding)
+    k = int(k)
+    if k == 0:
+        return tf.zeros([0], tf.int32)
+    if index_coding == "fixed":
+        return ops.unpack_bits(section, index_width(numel), k)
+    low = ef_low_bits(numel, k)
+    high = ef_high_bits(numel, k)
+    low_bytes = (k * low + 7) // 8
+    unary = ops.unpack_bits(section[low_bytes:], 1, high)
+    pos = tf.cast(tf.where(tf.not_equal(unary, 0))[:, 0], tf.int32)
+    pos = tf.reshape(pos[:k], [k])  # fails when fewer than k bits are set
+    idx = tf.bitwise.left_shift(pos - tf.range(k, dtype=tf.int32), low)
+    if low > 0:
+        idx = tf.bitwise.bitwise_or(idx, ops.unpack_bits(section[:low_bytes], low, k))
+    return idx
+
+
+def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int, index_coding: str = "fixed"):
     """Encode selected entries.
 
     Args:
         indices: int32 ``[k]``, ascending, in ``[0, numel)``.
         values: float32 ``[k]``.
-        numel: entries of the dense tensor; bits: 2 or 32.
+        numel: entries of the dense tensor; bits: 2 or 32; index_coding: ``"fixed"`` or
+            ``"elias_fano"`` (module docstring).
 
     Returns:
-        ``(payload uint8 [payload_length(numel, k, bits)], sent float32 [k])`` where ``sent`` is
-        what a receiver decodes (the quantized values for bits=2), used for the residual.
+        ``(payload uint8 [payload_length(numel, k, bits, index_coding)], sent float32 [k])``
+        where ``sent`` is what a receiver decodes (the quantized values for bits=2), used for
+        the residual.
     """
     k = int(indices.shape[0])
-    n_bytes = payload_length(numel, k, bits)
+    n_bytes = payload_length(numel, k, bits, index_coding)
     if k == 0:
         return tf.zeros([0], tf.uint8), tf.zeros([0], tf.float32)
     values = tf.cast(values, tf.float32)
-    idx_packed = ops.pack_bits(indices, index_width(numel))
+    idx_packed = encode_indices(indices, numel, index_coding)
     if bits == 2:
         codes, scales = quantize.quantize_2bit(values)
         sent = quantize.dequantize_2bit(codes, scales)
@@ -84,19 +212,19 @@ def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int):
     return payload, sent
 
 
-def decode(payload: tf.Tensor, numel: int, k: int, bits: int):
+def decode(payload: tf.Tensor, numel: int, k: int, bits: int, index_coding: str = "fixed"):
     """Inverse of :func:`encode`: uint8 ``[payload_length]`` -> ``(indices int32 [k], values float32 [k])``."""
+    check_index_coding(index_coding)
     if k == 0:
         return tf.zeros([0], tf.int32), tf.zeros([0], tf.float32)
-    w = index_width(numel)
-    idx_bytes = math.ceil(k * w / 8)
+    idx_bytes = index_bytes(numel, k, index_coding)
     if bits == 2:
         scales = _bytes_to_f32(payload[: quantize.SCALE_BYTES])
         off = quantize.SCALE_BYTES
-        indices = ops.unpack_bits(payload[off: off + idx_bytes], w, k)
+        indices = decode_indices(payload[off: off + idx_bytes], numel, k, index_coding)
         codes = quantize.unpack_codes(payload[off + idx_bytes:], k)
         values = quantize.dequantize_2bit(codes, scales)
     else:
-        indices = ops.unpack_bits(payload[:idx_bytes], w, k)
+        indices = decode_indices(payload[:idx_bytes], numel, k, index_coding)
         values = _bytes_to_f32(payload[idx_bytes:])
     return indices, values
