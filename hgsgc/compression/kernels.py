@@ -65,6 +65,24 @@ def _check_select_args(sample_size, margin):
     return int(sample_size), float(margin)
 
 
+def _coding_attr(index_coding):
+    """The ops' ``index_coding`` attribute as keyword arguments: none for the default "fixed", so
+    a library built before the attribute existed still runs the default path."""
+    return {} if index_coding == "fixed" else {"index_coding": index_coding}
+
+
+def _call(op, *args, **kwargs):
+    """Call a custom op; a library built before ``index_coding`` existed gets one clear error."""
+    try:
+        return op(*args, **kwargs)
+    except TypeError as exc:
+        if "index_coding" in kwargs and "index_coding" in str(exc):
+            raise RuntimeError("compression.index_coding=elias_fano needs the custom ops rebuilt "
+                               "(the loaded hgsgc/_ops*.so predates it): run `python setup.py "
+                               "build_ext --inplace` (or `make install`)") from exc
+        raise
+
+
 def _seed64(seed):
     """int64 scalar seed for the kernels (None: a fixed seed; an int32 [2] pair is combined)."""
     if seed is None:
@@ -156,8 +174,8 @@ def sparse_encode(indices, values, numel, bits, backend=None, index_coding="fixe
     _check_k(int(values.shape[0]), int(numel))
     if ops._resolve_compression(backend) == "reference":
         return sparse_encode_reference(indices, values, numel, bits, index_coding)
-    return ops.load().hgsgc_sparse_encode(indices, values, numel=int(numel), bits=bits,
-                                          index_coding=index_coding)
+    return _call(ops.load().hgsgc_sparse_encode, indices, values, numel=int(numel), bits=bits,
+                 **_coding_attr(index_coding))
 
 
 def sparse_encode_reference(indices, values, numel, bits, index_coding="fixed"):
@@ -204,9 +222,8 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
     if ops._resolve_compression(backend) == "reference":
         return compress_reference(grad, residual, k, bits, sample_size, margin, seed, index_coding)
     res = residual if residual is not None else tf.zeros([0], tf.float32)
-    payload, new_res = ops.load().hgsgc_compress(grad, res, _seed64(seed), k=k, bits=bits,
-                                             sample_size=sample_size, margin=margin,
-                                             index_coding=index_coding)
+    payload, new_res = _call(ops.load().hgsgc_compress, grad, res, _seed64(seed), k=k, bits=bits,
+                             sample_size=sample_size, margin=margin, **_coding_attr(index_coding))
     return payload, (new_res if residual is not None else None)
 
 
@@ -247,9 +264,8 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
                                               bits, sample_size, margin, seed, index_coding)
         with tf.control_dependencies([residual.assign(tf.reshape(new_res, residual.shape))]):
             return tf.identity(payload)
-    return ops.load().hgsgc_compress_residual(grad, residual.handle, _seed64(seed), k=k, bits=bits,
-                                          sample_size=sample_size, margin=margin,
-                                          index_coding=index_coding)
+    return _call(ops.load().hgsgc_compress_residual, grad, residual.handle, _seed64(seed), k=k,
+                 bits=bits, sample_size=sample_size, margin=margin, **_coding_attr(index_coding))
 
 
 def compress_reference(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE,
@@ -313,8 +329,8 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
     gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     if ops._resolve_compression(backend) == "reference":
         return decode_accumulate_reference(gathered, numel, k, bits, offset, index_coding)
-    return ops.load().hgsgc_decode_accumulate(gathered, numel=numel, k=k, bits=bits, offset=offset,
-                                              index_coding=index_coding)
+    return _call(ops.load().hgsgc_decode_accumulate, gathered, numel=numel, k=k, bits=bits,
+                 offset=offset, **_coding_attr(index_coding))
 
 
 def decode_accumulate_reference(gathered, numel, k, bits, offset=0, index_coding="fixed"):
