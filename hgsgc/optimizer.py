@@ -271,11 +271,13 @@ class _HgsgcOptimizerMixin:
 
         Keys: ``residuals`` ``{name: float32 array}`` (error feedback), ``rng_step`` (int, the
         random-number step of the sampled selector / TernGrad), ``stats`` ``{counter: int}``
-        (the byte counters of :class:`hgsgc.comm.CommStats`); when present ``velocity``
-        (DGC momentum correction), ``powersgd_q`` (PowerSGD warm-start factors) and, with
-        delay, ``anchors`` (list of arrays, one per variable) and ``local_step`` (int).
+        (the byte counters of :class:`hgsgc.comm.CommStats`), ``skipped_steps`` (int, this
+        rank's :attr:`hgsgc_skipped_steps`, so a resumed run's count continues); when present
+        ``velocity`` (DGC momentum correction), ``powersgd_q`` (PowerSGD warm-start factors)
+        and, with delay, ``anchors`` (list of arrays, one per variable) and ``local_step`` (int).
         """
-        return {**self._hgsgc_exchanger.state_dict(), **self._hgsgc_delay.state_dict()}
+        return {**self._hgsgc_exchanger.state_dict(), **self._hgsgc_delay.state_dict(),
+                "skipped_steps": int(self._hgsgc_skipped.numpy())}
 
     def load_hgsgc_state(self, state: dict):
         """Restore :meth:`hgsgc_state` output (anchors before the first step are kept and
@@ -285,8 +287,11 @@ class _HgsgcOptimizerMixin:
             ValueError: a saved array's shape differs from the existing variable's.
         """
         self._hgsgc_exchanger.load_state_dict(
-            {k: v for k, v in state.items() if k not in ("anchors", "local_step")})
+            {k: v for k, v in state.items() if k not in ("anchors", "local_step", "skipped_steps")})
         self._hgsgc_delay.load_state_dict(state)
+        if "skipped_steps" in state:  # checkpoints before session 9 lack it: the count restarts
+            with tf.init_scope():
+                self._hgsgc_skipped.assign(int(state["skipped_steps"]))
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
