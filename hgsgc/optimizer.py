@@ -354,6 +354,7 @@ def _lead_rank(process_set) -> int:
 
 
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
+_TAPE_CHECKED = set()  # (id(exchanger), names): ranks' gradient signatures compared already
 
 
 def _tape_exchanger(comp, process_set, sources, momentum=None) -> Exchanger:
@@ -388,9 +389,14 @@ class DistributedGradientTape:
     first ``gradient()`` call; :meth:`hgsgc_state` / :meth:`load_hgsgc_state` save and restore
     the state tree.
 
+    The first ``gradient()`` of a model compares every rank's gradient names, shapes and dtypes
+    (one small collective, as :func:`DistributedOptimizer` does), so a model that differs across
+    ranks stops every rank with the same error naming the variable.
+
     Raises:
         ValueError: ``compression`` with ``delay > 1``; momentum correction without
-            ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument.
+            ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument;
+            (from ``gradient()``) a gradient whose shape or dtype differs across ranks.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
@@ -428,8 +434,16 @@ class DistributedGradientTape:
         if self._pending_state is not None:
             self.exchanger.load_state_dict(self._pending_state)
             self._pending_state = None
-        flat_g = tf.nest.flatten(grads, expand_composites=False)
-        avg = self.exchanger.exchange(flat_g, _var_names(flat_src))
+        from hgsgc import faults
+
+        # IndexedSlices dense, unknown static shapes from the sources (as the optimizer does)
+        flat_g = faults.densify(tf.nest.flatten(grads, expand_composites=False), flat_src)
+        names = _var_names(flat_src)
+        key = (id(self.exchanger), tuple(names))
+        if key not in _TAPE_CHECKED:  # once per model, as the optimizer does (a collective)
+            faults.check_same_signature(names, flat_g, self._process_set)
+            _TAPE_CHECKED.add(key)
+        avg = self.exchanger.exchange(flat_g, names)
         return tf.nest.pack_sequence_as(grads, avg)
 
     def hgsgc_state(self) -> dict:

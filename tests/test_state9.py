@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ckpt_compare import compare
-from conftest import mpi_result
+from conftest import mpi_result, mpirun
 
 from hgsgc import checkpoint as ckpt
 
@@ -102,3 +102,23 @@ def test_state_at_the_checkpoint_is_what_the_next_steps_need(tmp_path_factory):
     for r in range(2):
         assert ckpt.load_rank(p, ckpt.read_manifest(p), r)["observed"]["skipped"] == 1
 
+
+
+# ------------------------------------------------------------------------- B. entry points
+@pytest.mark.mpi
+def test_model_differing_across_ranks_fails_alike_through_the_tape():
+    """Rank 1's model is wider: through DistributedOptimizer every rank stops at the first step
+    with one line naming the variable and both shapes (tests/test_reliability_traps.py); through
+    DistributedGradientTape it said 'InvalidArgumentError: ... Input to reshape is a tensor with
+    59 values, but the requested shape has 58' (an internal node, once per rank; with other sizes
+    the averages could be silently wrong). Now the same line as the optimizer's."""
+    lines = {}
+    for entry in ("tape", "optimizer"):
+        p = mpirun(2, ["tests/mpi/state9_mismatch.py", entry], timeout=120)
+        assert p.returncode != 0 and "UNREACHABLE" not in p.stdout, (entry, p.stdout[-2000:])
+        got = [ln for ln in p.stderr.splitlines() if "hgsgc: error" in ln]
+        assert len(got) == 1, (entry, p.stderr[-3000:])
+        lines[entry] = got[0]
+    assert "variable 'dense/kernel:0': shape [4, 5] float32 on rank 0" in lines["tape"], lines
+    assert "shape [4, 6] float32 on rank 1" in lines["tape"], lines
+    assert lines["tape"] == lines["optimizer"]
