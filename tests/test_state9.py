@@ -14,6 +14,12 @@ tests/test_optimizer.py); ``model.fit`` + Horovod's broadcast callback with dela
 Part A runs tests/mpi/check_state9.py twice per rank count: ``full`` (K steps, checkpoint, M
 more steps, checkpoint) and ``resume`` (a fresh mpirun job restoring checkpoint K and taking the
 same M steps); every leaf of every rank's final state must be equal byte for byte.
+
+Part B runs tests/mpi/check_entry9.py on 1 and 2 ranks: the four entry points must agree bit
+for bit (no op order differs between them: each computes the same local gradient and hands the
+same list to the same Exchanger, then the same legacy SGD update; DGC through the tape keeps the
+momentum in the tape's velocity and applies with momentum 0, exactly what the optimizer path
+does internally), and count the same bytes.
 """
 import numpy as np
 import pytest
@@ -21,7 +27,9 @@ import pytest
 from ckpt_compare import compare
 from conftest import mpi_result, mpirun
 
+import hgsgc
 from hgsgc import checkpoint as ckpt
+from hgsgc import costs
 
 K, M = 6, 4  # delay 4: the checkpoint after step 6 is mid-way between the syncs of steps 4 and 8
 
@@ -122,3 +130,79 @@ def test_model_differing_across_ranks_fails_alike_through_the_tape():
     assert "variable 'dense/kernel:0': shape [4, 5] float32 on rank 0" in lines["tape"], lines
     assert "shape [4, 6] float32 on rank 1" in lines["tape"], lines
     assert lines["tape"] == lines["optimizer"]
+
+
+ENTRY_SHAPES = [(6, 8), (8,), (8, 3), (3,)]
+ENTRY_STEPS = 4
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def entries(request):
+    return mpi_result(request.param, ["tests/mpi/check_entry9.py"], timeout=400)
+
+
+@pytest.mark.mpi
+def test_every_entry_point_gives_the_same_weights_and_bytes(entries):
+    """Custom tf.function loop, eager loop, model.fit and DistributedGradientTape (delay 1 only)
+    from the same seed and data: the same weights bit for bit on every rank, the same byte
+    counters, and those counters equal the payload formula."""
+    from hgsgc.compression import Compression as C
+
+    comps = {"none": C.none, "sgc": C.sgc(0.2), "sgc_delay2": C.sgc(0.2, delay=2),
+             "dgc": C.dgc(0.2, local_clip_norm=1.0),
+             "terngrad": C.terngrad(), "powersgd": C.powersgd(rank=1)}
+    n = entries["size"]
+    ranks = entries["ranks"]
+    assert sorted(ranks[0]) == sorted(comps)
+    for name, comp in comps.items():
+        want_entries = {"loop", "eager", "fit"} | ({"tape"} if comp.delay == 1 else set())
+        ref_w, ref_s = ranks[0][name]["loop"]
+        for r in range(n):
+            got = ranks[r][name]
+            assert set(got) == want_entries, (name, set(got))
+            for entry, (w, s) in got.items():
+                assert w == ref_w, f"{name}: {entry} on rank {r} differs from loop on rank 0"
+                assert s == ref_s, (name, entry, r, s, ref_s)
+        exchanges = ENTRY_STEPS // comp.delay
+        assert ref_s["exchanges"] == exchanges, (name, ref_s)
+        if comp.compressed:
+            assert ref_s["payload_bytes"] == exchanges * comp.payload_bytes(ENTRY_SHAPES), (name, ref_s)
+        else:
+            d = sum(int(np.prod(s)) for s in ENTRY_SHAPES)
+            assert ref_s["dense_bytes"] == exchanges * costs.dense_bytes(n, d)
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type and text are what is compared
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"compression": "fast"}, "compression='fast' is not supported: use hgsgc.Compression.none"),
+    ({"compression": "powersgd_as_dict"}, "is not supported: use hgsgc.Compression.none"),
+    ({"op": "sum"}, "op must be hvd.Average"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor is not supported"),
+    ({"num_groups": 2}, "groups/num_groups are not supported"),
+    ({"groups": [[0]]}, "groups/num_groups are not supported"),
+])
+def test_bad_arguments_fail_alike_through_optimizer_and_tape(kwargs, words):
+    """The same exception type and text from hgsgc.DistributedOptimizer (custom loops and
+    model.fit share it) and hgsgc.DistributedGradientTape, naming the argument."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    kw = dict(kwargs)
+    if kw.get("op") == "sum":
+        kw["op"] = hvd.Sum
+    if kw.get("compression") == "powersgd_as_dict":
+        kw["compression"] = hgsgc.Compression.powersgd(2).to_dict()
+    opt_err = _error(lambda: hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1), **kw))
+    with tf.GradientTape() as t:
+        pass
+    tape_err = _error(lambda: hgsgc.DistributedGradientTape(t, **kw))
+    assert opt_err is not None and opt_err == tape_err, (opt_err, tape_err)
+    assert words in opt_err[1], opt_err
