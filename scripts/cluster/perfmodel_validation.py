@@ -146,8 +146,11 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
     Inputs, all measured in separate runs of the same bench: compute + compression = the method's
     compute-only step measured with ``hosts`` processes at once (``compute_only_shared``: the CPU
     share each emulated host had on this machine; alone when not measured, and the row says so);
-    bytes and messages from the method's setting (:func:`hgsgc.perfmodel.traffic`), for a sparse
-    method with a density warm-up (DGC) averaged over the cell's timed steps (density per step
+    a time-dilated cell (``dilation`` in the cell: ``cpu_share`` or ``gpu``) is predicted on the
+    link it ran, at the emulated rate ``f`` x nominal, and compared with its measured step on this
+    machine's clock (not the dilated one); bytes and messages from the method's setting
+    (:func:`hgsgc.perfmodel.traffic`), for a sparse method with a density warm-up (DGC) averaged
+    over the cell's timed steps (density per step
     from ``hgsgc.loop.density_schedule``); the link from the calibration (``put`` removed when the
     cell's mpirun arguments remove it); Horovod's cycle as hgsgc sets it (5 ms). No per-step
     samples: the wait for the slowest rank is 0 here.
@@ -178,11 +181,15 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
             shapes_of[key] = [tuple(int(x) for x in v.shape) for v in model.trainable_variables]
         shapes = shapes_of[key]
         k, bw = cell["hosts"], cell["bandwidth"]
-        cal = calibration_from(calibration, bw, put=not tuned)
+        # a time-dilated cell (hgsgc.bench.dilation_factor) ran its links at the emulated rate, and
+        # its measured step is on this machine's clock: predicted on that link, same clock
+        dil = cell.get("dilation") or {}
+        rate = dil.get("emulated_rate") or bw
+        cal = calibration_from(calibration, rate, put=not tuned)
         # the cycle the cells ran with (recorded since this session; older results ran with the
         # 5 ms hgsgc then set)
         cal["cycle_s"] = float((d.get("runtime") or {}).get("HOROVOD_CYCLE_TIME") or 5) / 1e3
-        link = pm.link_for(bw, calibration=cal, tbf=tbf)
+        link = pm.link_for(rate, calibration=cal, tbf=tbf)
         # a method without its own compute-only run (e.g. the same config run without Open MPI's
         # put protocol) takes that of a method with the same config and overrides: only mpirun's
         # arguments differ, which a one-process run does not use
@@ -232,7 +239,10 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
         rows.append({"hvd_mpi_cpu": cpu,
                      "run": f"{os.path.splitext(os.path.basename(path))[0]}:{cell['method']}@{k}h/{bw}",
                      "kind": f"bench cell ({k} hosts, {'pinned' if spec.get('pin') else 'unpinned'})",
-                     "method": cell["method"], "delay": int(cfg.compression.delay), "bandwidth": bw, "hosts": k,
+                     "method": cell["method"], "delay": int(cfg.compression.delay),
+                     "bandwidth": bw if rate == bw else f"{bw} (dilated: {rate})",
+                     "dilation": {"mode": dil.get("mode"), "factor": dil.get("factor"), "emulated_rate": rate}
+                     if dil else None, "hosts": k,
                      "samples": False, "tuned": tuned, "compute_basis": basis,
                      "settings": ("put removed" if tuned else "Open MPI defaults (put)") + f", compute {basis}",
                      "load": [cell.get("load_before", [0])[0] if isinstance(cell.get("load_before"), list)
