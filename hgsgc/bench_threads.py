@@ -83,8 +83,12 @@ def tids(proc: str = "/proc", pid: Optional[int] = None) -> List[int]:
 
 
 def snapshot(proc: str = "/proc", pid: Optional[int] = None) -> Dict[int, dict]:
-    """``{tid: {"comm", "ticks", "ns", "wait_ns"}}`` of every thread now (``ns``, ``wait_ns``: None
-    without schedstat)."""
+    """``{tid: {"comm", "ticks", "ns", "wait_ns"}}`` of every thread now (``ticks``: utime + stime
+    in clock ticks; ``ns``, ``wait_ns``: nanoseconds, None without schedstat). A thread that ends
+    while it is read is left out.
+
+    Raises:
+        OSError: ``<proc>/<pid>/task`` cannot be listed (no ``/proc``: not Linux)."""
     d = task_dir(proc, pid)
     out = {}
     for t in tids(proc, pid):
@@ -128,10 +132,20 @@ class ThreadGroups:
         self.mpi_before: List[int] = []
 
     def before_init(self) -> None:
-        self._before = set(tids(self.proc, self.pid))
+        """The threads that exist before ``hvd.init()`` (none known without a readable
+        ``/proc/<pid>/task``: then every thread but the main one is ``other``)."""
+        try:
+            self._before = set(tids(self.proc, self.pid))
+        except OSError:  # no /proc (macOS) or hidden: measure nothing, never stop the training
+            self._before = None
 
     def after_init(self) -> None:
-        now = tids(self.proc, self.pid)
+        """The threads ``hvd.init()`` started and the event-loop threads before it (see the
+        module docstring); a no-op without a readable ``/proc/<pid>/task``."""
+        try:
+            now = tids(self.proc, self.pid)
+        except OSError:
+            return
         self.hvd = sorted(t for t in now if self._before is not None and t not in self._before)
         self.wchan = {t: wchan(t, self.proc, self.pid) for t in now}
         # threads of Open MPI / PMIx started before hvd.init (MPI initialised by mpi4py first)
@@ -154,7 +168,9 @@ class StepCPU:
     ``start()`` before a run of timed steps, ``stop(n)`` after them (``n`` steps); windows add up
     (epochs; steps that retrace a graph are left out by stopping before and starting after them).
     A thread that started inside a window counts from 0; one that ended inside it is lost (its
-    CPU is not in ``/proc`` any more) and counted in ``threads_ended``."""
+    CPU is not in ``/proc`` any more) and counted in ``threads_ended``. Without a readable
+    ``/proc/<pid>/task`` (not Linux, or hidden) nothing is measured and :attr:`unavailable` says
+    why; the training goes on (``hgsgc train`` then writes no ``thread_cpu``)."""
 
     def __init__(self, groups: ThreadGroups, proc: str = "/proc", pid: Optional[int] = None,
                  clock=None):
@@ -167,19 +183,38 @@ class StepCPU:
         self.threads_ended = 0
         self.per_tid: Dict[int, dict] = {}
         self._open: Optional[Tuple[Dict[int, dict], float]] = None
+        #: why nothing more is measured (``"<task dir>: <OSError>"``), or None
+        self.unavailable: Optional[str] = None
+
+    def _snapshot(self) -> Optional[Dict[int, dict]]:
+        try:
+            return snapshot(self.proc, self.pid)
+        except OSError as exc:  # no /proc/<pid>/task (macOS) or hidden: stop measuring, train on
+            self.unavailable = f"{task_dir(self.proc, self.pid)}: {exc}"
+            self._open = None
+            return None
 
     def start(self) -> None:
-        self._open = (snapshot(self.proc, self.pid), self.clock())
+        """Open a window (a no-op once ``/proc`` could not be read: :attr:`unavailable`)."""
+        if self.unavailable is not None:
+            return
+        a = self._snapshot()
+        if a is not None:
+            self._open = (a, self.clock())
 
     @property
     def running(self) -> bool:
         return self._open is not None
 
     def stop(self, steps: int) -> None:
+        """Close the open window of ``steps`` timed steps and add it (a no-op without one; a
+        window whose end cannot be read from ``/proc`` is left out, steps and all)."""
         if self._open is None:
             return
         a, t0 = self._open
-        b = snapshot(self.proc, self.pid)
+        b = self._snapshot()
+        if b is None:
+            return
         self.window_s += self.clock() - t0
         self._open = None
         self.steps += int(steps)
