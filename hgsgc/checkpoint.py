@@ -194,10 +194,10 @@ def rank_file(rank: int) -> str:
     return f"rank-{int(rank):05d}.npz"
 
 
-def _io_error(action, path, exc, previous):
+def _io_error(action, path, exc, previous, what=""):
     prev = (f"the previous checkpoint {previous} is intact" if previous
             else "no earlier checkpoint was affected")
-    return CheckpointError(f"cannot {action} {path}: {exc.strerror or exc} "
+    return CheckpointError(f"cannot {action} {path}{' ' + what if what else ''}: {exc.strerror or exc} "
                            f"(errno {exc.errno}); {prev}. Fix: make checkpoint.dir writable, free "
                            f"disk space, or point checkpoint.dir elsewhere")
 
@@ -481,11 +481,17 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
         try:
             os.makedirs(directory, exist_ok=True)
             if os.path.exists(os.path.join(path, MANIFEST)):  # re-saving the same step
-                spare = _keep_spare(path)  # complete until the new manifest is durable
-                previous = spare or previous
+                try:
+                    spare = _keep_spare(path)  # complete until the new manifest is durable
+                except OSError as exc:  # never remove the step's manifest without a complete copy
+                    raise _SpareError(exc, _spare_dir(path)) from None
+                previous = spare
                 os.unlink(os.path.join(path, MANIFEST))
                 _fsync_dir(path)
             os.makedirs(path, exist_ok=True)
+        except _SpareError as exc:
+            err = str(_io_error(f"keep a complete copy of {path} under", exc.spare, exc.cause, previous,
+                                what="while re-saving it"))
         except OSError as exc:
             err = str(_io_error("create checkpoint folder", path, exc, previous))
     previous = comm.bcast(previous, root=0)
@@ -518,17 +524,34 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
     return path
 
 
-def _keep_spare(path: str) -> Optional[str]:
+class _SpareError(OSError):
+    def __init__(self, cause: OSError, spare: str):
+        super().__init__(cause.errno, cause.strerror)
+        self.cause, self.spare = cause, spare
+
+
+def _spare_dir(path: str) -> str:
+    """The second name of checkpoint folder ``path``'s step: ``step-0`` + its digits."""
+    head, name = os.path.split(path)
+    return os.path.join(head, "step-0" + name[len("step-"):])
+
+
+def _keep_spare(path: str) -> str:
     """Before a complete checkpoint folder is re-saved (the end-of-run checkpoint after a periodic
     one of the same step): the same files under a second name of the same step (``step-0`` +
     the digits: one more leading zero), as hard links (copies where the file system has none),
     manifest last. ``atomic_write`` replaces a name with a new file, so the linked old files stay
     intact; a kill before the new manifest is durable leaves the spare as a complete checkpoint
     of that step, where before only the checkpoint before it was left (none with keep=1).
-    Returns the spare folder, or None if it could not be made (the re-save goes on as before).
+    Returns the spare folder.
+
+    Raises:
+        OSError: the spare could not be made (what was made of it is removed); the caller then
+            leaves ``path`` untouched and reports the error (a re-save without a complete copy
+            could leave no checkpoint at all with ``keep=1``).
     """
-    head, name = os.path.split(path)
-    spare = os.path.join(head, "step-0" + name[len("step-"):])
+    head = os.path.dirname(path)
+    spare = _spare_dir(path)
     try:
         shutil.rmtree(spare, ignore_errors=True)
         os.makedirs(spare)
@@ -543,7 +566,7 @@ def _keep_spare(path: str) -> Optional[str]:
         return spare
     except OSError:
         shutil.rmtree(spare, ignore_errors=True)
-        return None
+        raise
 
 
 def _prune(directory, keep, newest_step):

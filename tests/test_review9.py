@@ -85,3 +85,42 @@ def test_train_runs_without_proc(tmp_path):
     s = json.load(open(tmp_path / "p" / "summary.json"))
     assert "thread_cpu" not in s and s["steps"] == 3
 
+
+# ------------------------------------------------------------------ checkpoint re-save without a spare
+def test_re_save_whose_spare_cannot_be_made_keeps_the_steps_checkpoint(tmp_path, monkeypatch):
+    """Re-saving a step (the end-of-run checkpoint after a periodic one of the same step): when
+    the complete copy under the second name (hard links, copies where there are none) could not
+    be made, save() went on as before session 8: it removed the step's manifest first, so a full
+    disk (the re-save failing) or a kill left no complete checkpoint with checkpoint.keep=1,
+    while the error said 'the previous checkpoint <that step> is intact'. Now the re-save stops
+    before touching it, on every rank, naming the folder and the fix; the checkpoint stays."""
+    import errno
+
+    import numpy as np
+
+    from hgsgc import checkpoint as ckpt
+
+    run = {"world_size": 1, "model": "tiny"}
+    d = str(tmp_path)
+    ckpt.save(d, 3, {"w": np.full(4, 3.0)}, run, keep=1)
+    first = ckpt.save(d, 5, {"w": np.full(4, 5.0)}, run, keep=1)
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_links(*a, **k):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))  # a file system without hard links
+
+    monkeypatch.setattr(ckpt.os, "link", no_links)
+    monkeypatch.setattr(ckpt.shutil, "copy2", no_space)
+    monkeypatch.setattr(ckpt, "atomic_write", no_space)  # the disk is full
+    spare = os.path.join(d, "step-000000005")
+    with pytest.raises(ckpt.CheckpointError, match=f"cannot keep a complete copy of {first} under {spare} "
+                                                   f"while re-saving it: No space left on device "
+                                                   f"\\(errno 28\\); the previous checkpoint {first} is "
+                                                   f"intact. Fix: .*free disk space") as ei:
+        ckpt.save(d, 5, {"w": np.full(4, 6.0)}, run, keep=1)
+    assert ei.value.all_ranks
+    monkeypatch.undo()
+    assert ckpt.latest(d) == first and not os.path.exists(spare)
+    assert ckpt.load_rank(first, ckpt.read_manifest(first), 0)["w"][0] == 5.0
