@@ -849,27 +849,18 @@ struct DecodeAccumulateFunctor<CPUDevice> {
       }
       v.vals = v.idx + v.idx_bytes;
     }
-    // Elias-Fano: every payload's indices decoded first (n k uint32, the sparse size; one
-    // sequential pass per payload, payloads in parallel), then the same accumulate as below.
+    // Elias-Fano: each payload's indices are decoded first (n k uint32, the sparse size; one
+    // sequential pass per payload, in the same parallel loop over payloads as the chunk search),
+    // then the accumulate below reads them instead of unpacking fixed-width indices.
     std::vector<uint32_t> dec(ef ? n * k : 0);
-    if (ef) {
-      std::vector<char> ok(n, 1);
-      pool.For(n, 16 * k, [&](int64_t r) { ok[r] = EfDecode(pv[r].idx, k, numel, dec.data() + r * k); });
-      for (int64_t r = 0; r < n; ++r) {
-        if (!ok[r]) {
-          ctx->CtxFailure(errors::InvalidArgument(
-              "HgsgcDecodeAccumulate: payload of rank ", r, ": the Elias-Fano high part holds fewer "
-              "than k = ", k, " set bits (not an index_coding=elias_fano payload?)"));
-          return;
-        }
-      }
-    }
+    std::vector<char> ok(n, 1);
     // seg[r * (chunks + 1) + c]: first entry of payload r whose index is >= the chunk's start.
     std::vector<int64_t> seg(n * (chunks + 1));
-    pool.For(n, 64 * chunks, [&](int64_t r) {
+    pool.For(n, 64 * chunks + (ef ? 16 * k : 0), [&](int64_t r) {
       int64_t* s = seg.data() + r * (chunks + 1);
       s[0] = 0;
       s[chunks] = k;
+      if (ef && !(ok[r] = EfDecode(pv[r].idx, k, numel, dec.data() + r * k))) return;
       for (int64_t c = 1; c < chunks; ++c) {
         const uint32_t start = static_cast<uint32_t>(ChunkBegin(c, chunks, numel));
         int64_t lo = 0, hi = k;  // lower_bound on the packed (ascending) indices
@@ -881,6 +872,14 @@ struct DecodeAccumulateFunctor<CPUDevice> {
         s[c] = lo;
       }
     });
+    for (int64_t r = 0; r < n; ++r) {
+      if (!ok[r]) {
+        ctx->CtxFailure(errors::InvalidArgument(
+            "HgsgcDecodeAccumulate: payload of rank ", r, ": the Elias-Fano high part holds fewer "
+            "than k = ", k, " set bits (not an index_coding=elias_fano payload?)"));
+        return;
+      }
+    }
     const UnpackFn unpack_idx = kUnpackFns[w - 1];  // fixed coding only
     const UnpackFn unpack_codes = kUnpackFns[1];
     std::mutex err_mu;
