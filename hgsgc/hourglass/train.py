@@ -9,11 +9,14 @@ every N steps whose ``train_loss`` is the epoch's running mean), ``runs/<id>/sum
 ``runs/<id>/model.keras`` (one ordinary Keras model: trunk from CONV rank 0, head from the first
 FC rank). The summary has the keys of the data-parallel job (``hgsgc.train``) plus per-role
 figures under ``roles`` and the layout under ``hourglass``; the per-rank keys are means over all
-ranks (see docs/hourglass.md, "Accounting").
+ranks (see docs/hourglass.md, "Accounting"). ``thread_cpu``: the CPU per timed step of each thread
+group of every rank (:mod:`hgsgc.bench_threads`, as the data-parallel runner writes it), with a
+per-role split under ``thread_cpu["roles"]``.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -227,6 +230,38 @@ def traffic_line(t) -> str:
             f"FC exchange {p['fc_exchange']['bytes_per_step'] / 1e3:.2f} kB)")
 
 
+def thread_cpu_by_role(per_rank, conv_ranks, fc_ranks) -> Optional[dict]:
+    """The CPU per timed step of every thread group (hgsgc.bench_threads), over all ranks and per role.
+
+    Args:
+        per_rank: every world rank's :meth:`hgsgc.bench_threads.StepCPU.result` in rank order
+            (None for a rank that timed no step).
+        conv_ranks, fc_ranks: the world ranks of each role (``Layout.plan``).
+    Returns:
+        :func:`hgsgc.bench_threads.combine_ranks` of all ranks (the same keys as the data-parallel
+        ``summary.json["thread_cpu"]``, so ``hgsgc bench`` reads both alike) plus ``roles``:
+        ``{"conv": ..., "fc": ...}``, each ``combine_ranks`` of that role's ranks without the
+        per-rank records (they are in ``ranks``) and with ``world_ranks``: the role's ranks that
+        measured. None when no rank measured.
+    """
+    from hgsgc import bench_threads
+
+    per_rank = list(per_rank)
+    out = bench_threads.combine_ranks(per_rank)
+    if out is None:
+        return None
+    roles = {}
+    for role, ranks in (("conv", conv_ranks), ("fc", fc_ranks)):
+        mine = [int(r) for r in ranks if per_rank[int(r)] is not None]
+        c = bench_threads.combine_ranks([per_rank[r] for r in mine])
+        if c is not None:
+            c.pop("ranks")
+            c["world_ranks"] = mine
+        roles[role] = c
+    out["roles"] = roles
+    return out
+
+
 def run(cfg, log=print) -> dict:
     """Train and evaluate with the Hourglass layout; returns the summary (same on every rank).
 
@@ -285,7 +320,14 @@ def run(cfg, log=print) -> dict:
         xb = np.asarray(next(iter(first))[0], dtype=np.float32)[:b]
         auto_report = choose(world, split, xb, cfg, log=log if is_root else None, hourglass_only=True)
         fc_workers = int(auto_report["fc_workers"])
+    from hgsgc import bench_threads
+
+    # which threads hvd.init() (inside Layout) starts: Horovod's background thread and Open MPI's
+    # (MPI itself was initialised by mpi4py before, as in the data-parallel runner)
+    thread_groups = bench_threads.ThreadGroups()
+    thread_groups.before_init()
     layout = Layout(world, fc_workers, log=log if is_root else None)
+    thread_groups.after_init()
     if auto_report is not None:
         layout.cost_report = auto_report
     C, F = layout.n_conv, layout.n_fc
@@ -379,6 +421,10 @@ def run(cfg, log=print) -> dict:
                          "wall_s": time.perf_counter() - t_start}}
 
     every = cfg.train.log_every_steps
+    # CPU per timed step of each thread (hgsgc.bench_threads, /proc), over the timed steps only:
+    # a window per epoch, opened after the first (graph-tracing) step and closed before the
+    # epoch's synchronisation and evaluation, as in the data-parallel runner
+    step_cpu, win = bench_threads.StepCPU(thread_groups), 0
     for epoch in range(cfg.train.epochs):
         if (epoch + 1) * steps_per_epoch <= start_step and len(history) > epoch:
             total_steps += steps_per_epoch  # finished before the checkpoint
@@ -393,6 +439,9 @@ def run(cfg, log=print) -> dict:
         bar = rlog.progress(epoch + 1, steps_per_epoch)
         epoch_t0 = time.perf_counter()
         n_done = 0
+        if traced:
+            step_cpu.start()
+            win = 0
         for i, bi in enumerate(batches):
             if i >= steps_per_epoch:
                 break
@@ -411,14 +460,18 @@ def run(cfg, log=print) -> dict:
                 # would absorb the FC rank's longer first step (tracing), biasing their mean
                 layout.p2p.Barrier()
                 trainer.phase_times(reset=True)  # the profile covers the same steps as the mean
+                step_cpu.start()  # the timed steps start (after the barrier, like the profile)
+                win = 0
             else:
                 step_times.append(time.perf_counter() - t0)
+                win += 1
             n_done = i + 1
             if every and (total_steps + n_done) % every == 0:  # collective: every rank, same step
                 rlog.step(total_steps + n_done, epoch + 1, trainer.train_loss(reset=False))
             bar.update(n_done)
             now[0] = total_steps + i + 1
             checkpointer.after_step(now[0], lambda: state_fn(before), lambda: {"history": history})
+        step_cpu.stop(win)
         batches = range(n_done)
         trainer.synchronize()  # delay: pending CONV sync before evaluating (identical trunks)
         epoch_time = time.perf_counter() - epoch_t0
@@ -464,6 +517,8 @@ def run(cfg, log=print) -> dict:
     step_times_root = layout.p2p.bcast(step_times, root=0)
     profile = phase_profile(layout.p2p.allgather((layout.rank, "conv" if layout.is_conv else "fc",
                                                   trainer.phase_times(), step_times)))
+    thread_cpu = thread_cpu_by_role(layout.p2p.allgather(step_cpu.result() if step_cpu.steps else None),
+                                    layout.plan.conv_ranks, layout.plan.fc_ranks)
     summary = {
         **summary_base(cfg, run_id, history, total_steps, size, "hourglass", d, compression,
                        step_times_root, layout.p2p.bcast(first_step_time, root=0),
@@ -498,6 +553,8 @@ def run(cfg, log=print) -> dict:
             "cost_model": layout.cost_report,
         },
     }
+    if thread_cpu is not None:
+        summary["thread_cpu"] = thread_cpu
     full = trainer.assemble_model(root=0)
     rlog.summary(summary, full)
     if is_root:
