@@ -75,9 +75,9 @@ def _emulated():
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
              "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "gpu_reference", "pin",
-             "full_epoch_steps", "time_to_target")
+             "full_epoch_steps", "time_to_target", "cells_from")
 DILATIONS = ("none", "cpu_share", "gpu")
-METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides", "curve_run")
+METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides", "curve_run", "cells")
 TTT_KEYS = ("metric", "mode", "reference", "rel", "abs", "curve_hosts", "curve_overrides", "curve_mpi_args",
             "curve_timeout_s", "reuse_curves", "eval_time", "budget_epochs")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -175,6 +175,8 @@ def load_spec(path_or_dict) -> dict:
             raise SpecError(f"spec: methods[{i}] ({m['name']}): config {m['config']} not found "
                             f"(paths are relative to the directory you run hgsgc bench from)")
         names.add(m["name"])
+    if spec.get("cells_from") is not None:
+        _check_cells_from(spec)
     fe = spec.setdefault("full_epoch_steps", None)
     if fe is not None and (isinstance(fe, bool) or not isinstance(fe, int) or fe < 1):
         raise SpecError(f"spec: 'full_epoch_steps' must be an integer >= 1 (steps of one full epoch "
@@ -210,6 +212,55 @@ def load_spec(path_or_dict) -> dict:
         elif not isinstance(v, bool):
             raise SpecError(f"spec: '{key}' must be true, false or a list of method names")
     return spec
+
+
+def _check_cells_from(spec: dict) -> None:
+    """Validate ``cells_from`` (a committed results JSON whose cells are read instead of run) and
+    each method's ``cells`` (the names of its cells in that file; default: the method's name)."""
+    cf = spec["cells_from"]
+    if not isinstance(cf, str) or not cf.endswith(".json"):
+        raise SpecError(f"spec: 'cells_from' must be a results JSON of hgsgc bench (docs/benchmarks/NAME.json), "
+                        f"got {cf!r}")
+    if not os.path.exists(cf):
+        raise SpecError(f"spec: cells_from: {cf} not found (paths are relative to the directory you run "
+                        f"hgsgc bench from)")
+    if spec["compute_only"] or spec.get("compute_only_shared") or spec.get("dilation", "none") != "none":
+        raise SpecError("spec: cells_from reads the cells, it runs none: set compute_only: false (and no "
+                        "compute_only_shared, no dilation)")
+    with open(cf) as f:
+        try:
+            stored = json.load(f)
+        except ValueError as exc:
+            raise SpecError(f"spec: cells_from: {cf} is not JSON ({exc})") from None
+    have = [c.get("method") for c in (stored.get("cells") or []) if isinstance(c, dict)] \
+        if isinstance(stored, dict) else []
+    for i, m in enumerate(spec["methods"]):
+        names = m.setdefault("cells", [m["name"]])
+        if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names):
+            raise SpecError(f"spec: methods[{i}] ({m['name']}).cells must be a non-empty list of cell (method) "
+                            f"names of {cf}, got {names!r}")
+        missing = [x for x in names if x not in have]
+        if missing:
+            raise SpecError(f"spec: methods[{i}] ({m['name']}).cells: {', '.join(missing)} not in {cf} (its "
+                            f"cells: {', '.join(dict.fromkeys(map(str, have))) or 'none'})")
+
+
+def cells_from(spec: dict) -> List[dict]:
+    """The cells of ``spec['cells_from']`` (a committed results JSON), one per (method, name in its
+    ``cells``, host count, bandwidth) in the spec's order: a copy of the stored cell with
+    ``method`` and ``role`` set to the spec's method, ``cell_name`` the stored cell's method name and
+    ``cells_from`` the file. Nothing runs; the stored step and evaluation times are used as
+    measured (with their own ``load_before``)."""
+    with open(spec["cells_from"]) as f:
+        stored = json.load(f)
+    out = []
+    for m in spec["methods"]:
+        for name in m.get("cells") or [m["name"]]:
+            for c in stored["cells"]:
+                if c.get("method") == name:
+                    out.append(dict(c, method=m["name"], role=m["role"], cell_name=name,
+                                    cells_from=spec["cells_from"]))
+    return out
 
 
 def _check_ttt(t, names) -> dict:
@@ -910,6 +961,8 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
                                "runtime": _runtime_settings(), "cells": [], "compute_only": {}}
     t0 = time.perf_counter()
     co = spec["compute_only"]
+    if spec.get("cells_from"):
+        results["cells_from"] = spec["cells_from"]
     if co:
         for m in spec["methods"]:
             if isinstance(co, list) and m["name"] not in co:
@@ -960,7 +1013,10 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
                 log(f"[bench] {m['name']:<22} compute-only, {h} processes at once: "
                     + (f"step {rec['mean_step_time_s'] * 1e3:8.1f} ms" if rec["status"] == "ok"
                        else f"FAILED ({rec['error']})"))
-    for h in spec["hosts"]:
+    for cell in cells_from(spec) if spec.get("cells_from") else []:  # read, not run
+        results["cells"].append(cell)
+        log(_fmt_line(cell) + f" (cell {cell['cell_name']} read from {cell['cells_from']})")
+    for h in ([] if spec.get("cells_from") else spec["hosts"]):
         for bw in spec["bandwidths"]:
             for m in spec["methods"]:
                 cell = run_cell(m, int(h), str(bw), spec, python,
@@ -1004,6 +1060,9 @@ def markdown(results: dict) -> str:
            "launch, initial broadcast and evaluation are included). Accuracy is after the truncated "
            "budget only (indicative). `load` = the machine's 1-minute load average when the cell "
            "started (other jobs share its CPUs).", ""]
+    if results.get("cells_from"):
+        out += [f"Cells read from `{results['cells_from']}` (not run here: its step and evaluation times, "
+                "loads and accuracies as measured there; a method's row names its cell when the names differ).", ""]
     for g in results.get("groups", []):
         h, bw = g["hosts"], g["bandwidth"]
         out += [f"## {h} hosts, {bw}", "",
@@ -1024,7 +1083,8 @@ def markdown(results: dict) -> str:
             co = results["compute_only"].get(c["method"], {})
             cs = results.get("compute_only_shared", {}).get(f"{c['method']}@{h}", {})
             out.append("| " + " | ".join([
-                c["method"], c["role"], "ok",
+                c["method"] + (f" (cell `{c['cell_name']}`)" if c.get("cell_name", c["method"]) != c["method"] else ""),
+                c["role"], "ok",
                 _f(c["mean_step_time_s"] * 1e3),
                 _f(co.get("mean_step_time_s") and co["mean_step_time_s"] * 1e3),
                 _f(c.get("vs_compute_only"), "{:.2f}x"),

@@ -151,7 +151,8 @@ def combine(curves: Dict[str, List[dict]], cells: List[dict], reference: str, mo
         ok = c.get("status") == "ok" and ev(c) is not None
         eval_s = (ev(c) if eval_time == "cell"
                   else _median(group_eval.get((c["hosts"], c["bandwidth"]), []))) if ok else None
-        row = {"method": c["method"], "role": roles.get(c["method"], c.get("role", "other")),
+        row = {"method": c["method"], "cell_name": c.get("cell_name", c["method"]),
+               "role": roles.get(c["method"], c.get("role", "other")),
                "hosts": c["hosts"], "bandwidth": c["bandwidth"], "bandwidth_mbit": c["bandwidth_mbit"],
                "step_s": c.get("step_time_dilated_s", c.get("mean_step_time_s")), "eval_s": eval_s,
                "eval_measured_s": ev(c),
@@ -271,7 +272,8 @@ def markdown(results: dict) -> List[str]:
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append("| " + " | ".join([
-                r["method"], r["role"], _fmt(r["step_s"], "{:.3f}"), _fmt(r.get("eval_measured_s")),
+                r["method"] + (f" (cell `{r['cell_name']}`)" if r.get("cell_name", r["method"]) != r["method"] else ""),
+                r["role"], _fmt(r["step_s"], "{:.3f}"), _fmt(r.get("eval_measured_s")),
                 _fmt(r["eval_s"]), _fmt(r["epoch"], "{}"),
                 _fmt(r["steps"], "{}"),
                 _fmt(r["time_to_target_s"]) if r["time_to_target_s"] is not None else "**not reached**"
