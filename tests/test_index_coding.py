@@ -105,6 +105,11 @@ def test_low_bits_and_lengths_follow_the_formula():
     assert wire.payload_length(5, 0, 2, EF) == 0 and wire.index_bytes(5, 0, EF) == 0
     with pytest.raises(ValueError, match="index_coding must be one of"):
         wire.payload_length(10, 2, 2, "delta")
+    # never more than 1 byte longer than fixed width, and shorter from k = 8 on (docs/compression.md)
+    for numel in range(1, 257):
+        for k in range(1, numel + 1):
+            d = wire.index_bytes(numel, k, EF) - wire.index_bytes(numel, k)
+            assert d <= 1 and (k < 8 or d < 0), (numel, k, d)
 
 
 @pytest.mark.parametrize("bits", [2, 32])
@@ -210,6 +215,10 @@ def test_setting_config_and_payload_bytes():
     want = sum(wire.payload_length(math.prod(sh), ref.k_for(math.prod(sh), 0.005), 2, EF) for sh in shapes)
     assert s.payload_bytes(shapes) == want
     assert s.payload_bytes(shapes) < Compression.sgc(0.005).payload_bytes(shapes)
+    from hgsgc import perfmodel  # hgsgc plan / the performance model charge the same bytes
+
+    assert perfmodel.traffic(s, shapes).collectives == (("allgather", want),)
+    assert sum(perfmodel.allgather_buckets(Compression.sgc(0.005, buckets=2, index_coding=EF), shapes)) == want
     with pytest.raises(ValueError, match="compression.index_coding must be one of"):
         SparseCompression(0.01, index_coding="delta")
     cfg = load_config("configs/fashion_mnist_sgc.yaml", ["compression.index_coding=elias_fano"])
