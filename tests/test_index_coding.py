@@ -299,3 +299,6 @@ def test_elias_fano_training_is_bit_identical_on_every_rank(result):
                 assert st_f["bytes_sent"] == 3 * (n - 1) * got["P_fixed"]
             else:  # the tree sends whole payloads: bytes scale with P
                 assert st_e["bytes_sent"] * got["P_fixed"] == st_f["bytes_sent"] * got["P_ef"]
+        node = r["node"]  # Exchanger, hierarchy=node on uneven emulated hosts, 3 exchanges
+        assert node["fixed_vs_ef"] == 0.0, node
+        assert node["payload_fixed"] == node["P_fixed"] and node["payload_ef"] == node["P_ef"] < node["P_fixed"]
