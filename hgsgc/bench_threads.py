@@ -56,14 +56,16 @@ def parse_stat(text: str) -> Tuple[str, int, int]:
 
 
 def parse_schedstat(text: str) -> int:
-    """Nanoseconds on a CPU (first field of ``/proc/.../schedstat``)."""
+    """Nanoseconds on a CPU (first field of ``/proc/.../schedstat``).
+
+    Raises ValueError / IndexError on a malformed line."""
     return int(text.split()[0])
 
 
 def parse_schedstat_wait(text: str) -> int:
     """Nanoseconds runnable but waiting for a CPU (second field of ``/proc/.../schedstat``: the
     time other threads or processes had the core)."""
-    return int(text.split()[1])
+    return int(text.split()[1])  # ValueError / IndexError on a malformed line
 
 
 def _read(path: str) -> Optional[str]:
@@ -75,10 +77,15 @@ def _read(path: str) -> Optional[str]:
 
 
 def task_dir(proc: str = "/proc", pid: Optional[int] = None) -> str:
+    """``<proc>/<pid>/task``, the folder of process ``pid``'s threads (default: this process)."""
     return os.path.join(proc, str(pid if pid is not None else os.getpid()), "task")
 
 
 def tids(proc: str = "/proc", pid: Optional[int] = None) -> List[int]:
+    """The thread ids of process ``pid`` (default: this process), ascending.
+
+    Raises:
+        OSError: :func:`task_dir` cannot be listed (no ``/proc``: not Linux)."""
     return sorted(int(t) for t in os.listdir(task_dir(proc, pid)) if t.isdigit())
 
 
@@ -115,6 +122,8 @@ def is_event_loop_wchan(w: Optional[str]) -> bool:
 
 
 def wchan(tid: int, proc: str = "/proc", pid: Optional[int] = None) -> Optional[str]:
+    """The kernel function thread ``tid`` sleeps in (``/proc/.../wchan``; ``"0"`` while it runs),
+    or None when it cannot be read (the thread ended)."""
     w = _read(os.path.join(task_dir(proc, pid), str(tid), "wchan"))
     return w.strip() if w is not None else None
 
@@ -153,6 +162,7 @@ class ThreadGroups:
                                  and is_event_loop_wchan(self.wchan.get(t)))
 
     def group(self, tid: int) -> str:
+        """``tid``'s group: one of :data:`GROUPS` (``other`` for threads not seen at ``after_init``)."""
         if tid == self.main:
             return "main"
         if self.hvd and tid == self.hvd[0]:
@@ -204,6 +214,7 @@ class StepCPU:
 
     @property
     def running(self) -> bool:
+        """True while a window is open (between :meth:`start` and :meth:`stop`)."""
         return self._open is not None
 
     def stop(self, steps: int) -> None:

@@ -187,10 +187,13 @@ def _sha256(data: bytes) -> str:
 
 
 def step_dir(directory: str, step: int) -> str:
+    """The folder of checkpoint ``step`` in ``directory``: ``<directory>/step-NNNNNNNN`` (8 digits
+    or more)."""
     return os.path.join(directory, f"step-{int(step):08d}")
 
 
 def rank_file(rank: int) -> str:
+    """The file name of ``rank``'s state in a checkpoint folder: ``rank-RRRRR.npz``."""
     return f"rank-{int(rank):05d}.npz"
 
 

@@ -323,7 +323,11 @@ def best_fc_workers_fast(inp: pm.LayoutInputs, nodes: int, conv_cost: dict, fc_c
             bounds), "candidates": N // 2}``.
 
     Returns:
-        The best ``F``, or None when ``N < 2``.
+        The best ``F`` (a count of FC ranks), or None when ``N < 2``.
+
+    Raises:
+        ValueError: an exchange algorithm of ``inp`` that is not one of
+            :data:`hgsgc.costs.ALGORITHMS`.
     """
     import numpy as np
 
