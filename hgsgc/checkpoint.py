@@ -452,7 +452,9 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
 
     Every rank writes ``rank-RRRRR.npz`` atomically; the ranks agree that all files are durable;
     rank 0 writes the manifest (atomically, last) and removes all but the newest ``keep``
-    complete checkpoints (and incomplete ones older than the new one).
+    complete checkpoints (and incomplete ones older than the new one). A folder of ``step``
+    without a manifest (a write that was killed) is emptied first, so no temporary file of it
+    stays in the new checkpoint.
 
     Args:
         directory: checkpoint folder (created if missing; must be shared by all ranks).
@@ -491,6 +493,8 @@ def save(directory: str, step: int, state, run: dict, comm=None, keep: int = 2,
                 previous = spare
                 os.unlink(os.path.join(path, MANIFEST))
                 _fsync_dir(path)
+            elif os.path.isdir(path):  # incomplete: a killed write's files (temporaries too)
+                shutil.rmtree(path)
             os.makedirs(path, exist_ok=True)
         except _SpareError as exc:
             err = str(_io_error(f"keep a complete copy of {path} under", exc.spare, exc.cause, previous,

@@ -124,3 +124,30 @@ def test_re_save_whose_spare_cannot_be_made_keeps_the_steps_checkpoint(tmp_path,
     monkeypatch.undo()
     assert ckpt.latest(d) == first and not os.path.exists(spare)
     assert ckpt.load_rank(first, ckpt.read_manifest(first), 0)["w"][0] == 5.0
+
+
+# ------------------------------------------------------------------ temp files of a killed write
+def test_step_folder_left_by_a_killed_write_keeps_no_temp_file_when_saved_again(tmp_path):
+    """A writer killed inside atomic_write (SIGKILL after the scheduler's grace period, the OOM
+    killer) leaves '.rank-RRRRR.npz.tmp-<pid>', a whole rank file, in a step folder without a
+    manifest; resume: auto takes the checkpoint before it, and when the run saves that step again
+    the folder was completed around the stale files: the finished checkpoint kept a rank file's
+    size of garbage per rank (until pruned; never for the last one). Now an incomplete step
+    folder is emptied before the step is written again."""
+    import numpy as np
+
+    from hgsgc import checkpoint as ckpt
+
+    run = {"world_size": 1, "model": "tiny"}
+    d = str(tmp_path)
+    ckpt.save(d, 2, {"w": np.full(4, 2.0)}, run, keep=2)
+    left = os.path.join(d, "step-00000004")
+    os.makedirs(left)
+    with open(os.path.join(left, ".rank-00000.npz.tmp-99999"), "wb") as f:
+        f.write(b"\0" * 4096)  # the killed writer's half-written rank file
+    with open(os.path.join(left, "rank-00000.npz"), "wb") as f:
+        f.write(b"\1" * 10)  # and an old rank file of that write
+    assert ckpt.latest(d).endswith("step-00000002")
+    path = ckpt.save(d, 4, {"w": np.full(4, 4.0)}, run, keep=2)
+    assert path == left and sorted(os.listdir(left)) == ["manifest.json", "rank-00000.npz"]
+    assert ckpt.load_rank(left, ckpt.verify(left, hashes=True), 0)["w"][0] == 4.0
