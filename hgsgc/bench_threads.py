@@ -19,7 +19,8 @@ grouped by when they appeared and where they wait (:class:`ThreadGroups`), as ``
 backtraces of a training rank showed them (``thread apply all bt``, 2 ranks, session 8):
 
 * ``main``: the thread whose tid is the pid (Python, TensorFlow's eager executor);
-* ``hvd_background``: the first thread ``hvd.init()`` starts: Horovod's background thread
+* ``hvd_background``: the first thread ``hvd.init()`` starts (the lowest new tid: the kernel
+  hands out ids in increasing order until they wrap at ``pid_max``): Horovod's background thread
   (``horovod::common::...BackgroundThreadLoop``: negotiation, the fused collectives, Open MPI's
   polling inside them). If MPI is not initialised yet, this thread calls ``MPI_Init``, so
   Open MPI's threads come after it;
@@ -178,7 +179,10 @@ class StepCPU:
     ``start()`` before a run of timed steps, ``stop(n)`` after them (``n`` steps); windows add up
     (epochs; steps that retrace a graph are left out by stopping before and starting after them).
     A thread that started inside a window counts from 0; one that ended inside it is lost (its
-    CPU is not in ``/proc`` any more) and counted in ``threads_ended``. Without a readable
+    CPU is not in ``/proc`` any more) and counted in ``threads_ended``; one that both started
+    and ended inside a window is not seen at all (Horovod's and Open MPI's threads live as long
+    as the process; a thread id reused inside one window, after the kernel's ids wrapped at
+    ``pid_max``, would be taken for the old thread). Without a readable
     ``/proc/<pid>/task`` (not Linux, or hidden) nothing is measured and :attr:`unavailable` says
     why; the training goes on (``hgsgc train`` then writes no ``thread_cpu``)."""
 
