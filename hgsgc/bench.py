@@ -216,7 +216,13 @@ def load_spec(path_or_dict) -> dict:
 
 def _check_cells_from(spec: dict) -> None:
     """Validate ``cells_from`` (a committed results JSON whose cells are read instead of run) and
-    each method's ``cells`` (the names of its cells in that file; default: the method's name)."""
+    each method's ``cells`` (the names of its cells in that file; default: the method's name).
+
+    Raises:
+        SpecError: naming the file, the cell and the fix, when the file is missing or not JSON,
+            a named cell is not in it, is not there on one of the spec's (hosts, bandwidth), failed
+            there, or ran another config file than the method's (a results JSON of another spec).
+    """
     cf = spec["cells_from"]
     if not isinstance(cf, str) or not cf.endswith(".json"):
         raise SpecError(f"spec: 'cells_from' must be a results JSON of hgsgc bench (docs/benchmarks/NAME.json), "
@@ -243,11 +249,33 @@ def _check_cells_from(spec: dict) -> None:
         if missing:
             raise SpecError(f"spec: methods[{i}] ({m['name']}).cells: {', '.join(missing)} not in {cf} (its "
                             f"cells: {', '.join(dict.fromkeys(map(str, have))) or 'none'})")
+        # every named cell on each of the spec's (hosts, bandwidth), measured, of the method's config
+        for name in names:
+            mine = [c for c in stored["cells"] if isinstance(c, dict) and c.get("method") == name]
+            for h in spec["hosts"]:
+                for bw in spec["bandwidths"]:
+                    at = [c for c in mine if c.get("hosts") == h and str(c.get("bandwidth")) == str(bw)]
+                    if not at:
+                        on = ", ".join(f"{c.get('hosts')} hosts at {c.get('bandwidth')}" for c in mine)
+                        raise SpecError(f"spec: methods[{i}] ({m['name']}).cells: no cell {name} on {h} hosts at "
+                                        f"{bw} in {cf} (it has {name} on: {on}): set the spec's hosts / "
+                                        f"bandwidths to those of the file, or read another file")
+                    for c in at:
+                        if c.get("status") != "ok":
+                            raise SpecError(f"spec: methods[{i}] ({m['name']}).cells: cell {name} on {h} hosts at "
+                                            f"{bw} in {cf} failed ({c.get('error') or c.get('status')}): its "
+                                            f"times are not measured; rerun it or name another cell")
+                        if c.get("config") is not None and c["config"] != m["config"]:
+                            raise SpecError(f"spec: methods[{i}] ({m['name']}).cells: cell {name} in {cf} ran "
+                                            f"{c['config']}, not {m['config']} (a results JSON of another spec?): "
+                                            f"give the method the cell's config or read the right file")
 
 
 def cells_from(spec: dict) -> List[dict]:
     """The cells of ``spec['cells_from']`` (a committed results JSON), one per (method, name in its
-    ``cells``, host count, bandwidth) in the spec's order: a copy of the stored cell with
+    ``cells``, host count, bandwidth of the spec) in the spec's order (cells of other host counts
+    or bandwidths in the file are not read; :func:`load_spec` refuses a missing or failed cell
+    and one that ran another config file): a copy of the stored cell with
     ``method`` and ``role`` set to the spec's method, ``cell_name`` the stored cell's method name and
     ``cells_from`` the file. Nothing runs; the stored step and evaluation times are used as
     measured (with their own ``load_before``)."""
@@ -257,7 +285,8 @@ def cells_from(spec: dict) -> List[dict]:
     for m in spec["methods"]:
         for name in m.get("cells") or [m["name"]]:
             for c in stored["cells"]:
-                if c.get("method") == name:
+                if c.get("method") == name and c.get("hosts") in spec["hosts"] \
+                        and str(c.get("bandwidth")) in map(str, spec["bandwidths"]):
                     out.append(dict(c, method=m["name"], role=m["role"], cell_name=name,
                                     cells_from=spec["cells_from"]))
     return out

@@ -1,0 +1,78 @@
+"""Session 9 break-it tests (brk9): what landed this session, used as a user or an MPI job would.
+
+* ``hgsgc bench`` ``cells_from``: a committed results JSON whose cells do not fit the spec (a failed
+  cell, cells at another host count / bandwidth, cells of another configuration) is refused with one
+  error naming the file, the cell and the fix, never read into a silently wrong table.
+"""
+import json
+
+import pytest
+
+from hgsgc import bench
+
+
+# ------------------------------------------------------------------ hgsgc bench cells_from
+def _ok_cell(method, step_s, config="configs/cifar10_vgg16/dense.yaml", hosts=4, bw="100mbit"):
+    return {"method": method, "role": "other", "status": "ok", "hosts": hosts, "bandwidth": bw,
+            "bandwidth_mbit": float(bw[:-4]) if bw.endswith("mbit") else 1000.0, "config": config,
+            "mean_step_time_s": step_s, "eval_time_s": 2.0, "time_per_epoch_s": step_s and step_s * 10,
+            "final_test_accuracy": 0.5, "load_before": [3.0, 1.0, 1.0], "error": None,
+            "bytes_sent_per_step_per_rank": 1000.0, "iface_tx_bytes_per_step_per_rank": 1100.0,
+            "compression_ratio": 10.0}
+
+
+def _cells_spec(tmp_path, cells, **extra):
+    path = tmp_path / "stored.json"
+    path.write_text(json.dumps({"name": "stored", "cells": cells}))
+    return str(path), dict({
+        "name": "cf", "hosts": [4], "bandwidths": ["100mbit"], "compute_only": False,
+        "out_dir": str(tmp_path / "out"), "runs_dir": str(tmp_path / "runs"), "cells_from": str(path),
+        "methods": [{"name": "fp16", "config": "configs/cifar10_vgg16/dense.yaml", "role": "dense"},
+                    {"name": "topk", "config": "configs/cifar10_vgg16/dense.yaml", "role": "baseline"}]},
+        **extra)
+
+
+def test_cells_from_reads_the_matching_cells(tmp_path):
+    """The good case still works: both cells read, with their stored step times."""
+    path, spec = _cells_spec(tmp_path, [_ok_cell("fp16", 0.7), _ok_cell("topk", 0.08)])
+    res = bench.run_matrix(bench.load_spec(spec), log=lambda s: None)
+    assert [(c["method"], c["mean_step_time_s"]) for c in res["cells"]] == [("fp16", 0.7), ("topk", 0.08)]
+
+
+def test_cells_from_refuses_a_failed_cell(tmp_path):
+    """A stored cell that failed gave a table with a '**failed**' row and a time-to-target of
+    ``{'error': "'bandwidth_mbit'"}`` (or a KeyError): now one SpecError naming file, cell, fix."""
+    bad = dict(_ok_cell("topk", None), status="failed", error="timeout after 600 s")
+    path, spec = _cells_spec(tmp_path, [_ok_cell("fp16", 0.7), bad])
+    with pytest.raises(bench.SpecError, match=r"\(topk\)\.cells: cell topk .*in " + path.replace(".", r"\.")
+                       + r" failed \(timeout after 600 s\).*rerun it or name another cell"):
+        bench.load_spec(spec)
+
+
+@pytest.mark.parametrize("where", [{"hosts": 8}, {"bw": "10mbit"}])
+def test_cells_from_refuses_cells_of_other_hosts_or_bandwidths(tmp_path, where):
+    """The spec's hosts / bandwidths were ignored: cells measured on 8 hosts or at 10 Mbit/s were
+    read into a '4 hosts, 100mbit' spec silently. Now: one error naming what the file has."""
+    path, spec = _cells_spec(tmp_path, [_ok_cell("fp16", 0.7, **where), _ok_cell("topk", 0.08, **where)])
+    with pytest.raises(bench.SpecError, match=r"\(fp16\)\.cells: no cell fp16 on 4 hosts at 100mbit in "
+                       + path.replace(".", r"\.") + r" \(it has fp16 on: (8 hosts at 100mbit|4 hosts at 10mbit)\)"):
+        bench.load_spec(spec)
+
+
+def test_cells_from_reads_only_the_spec_hosts_and_bandwidths(tmp_path):
+    """A file with cells at two bandwidths: a spec naming one of them reads only that one."""
+    cells = [_ok_cell("fp16", 0.7), _ok_cell("topk", 0.08), _ok_cell("fp16", 5.0, bw="10mbit"),
+             _ok_cell("topk", 0.5, bw="10mbit")]
+    path, spec = _cells_spec(tmp_path, cells, bandwidths=["10mbit"])
+    res = bench.run_matrix(bench.load_spec(spec), log=lambda s: None)
+    assert [(c["method"], c["bandwidth"], c["mean_step_time_s"]) for c in res["cells"]] == [
+        ("fp16", "10mbit", 5.0), ("topk", "10mbit", 0.5)]
+
+
+def test_cells_from_refuses_cells_of_another_configuration(tmp_path):
+    """A results JSON of another spec (the cell ran another config file) was read silently."""
+    path, spec = _cells_spec(tmp_path, [_ok_cell("fp16", 0.7),
+                                        _ok_cell("topk", 0.08, config="configs/ptb_lstm/dense.yaml")])
+    with pytest.raises(bench.SpecError, match=r"\(topk\)\.cells: cell topk in " + path.replace(".", r"\.")
+                       + r" ran configs/ptb_lstm/dense\.yaml, not configs/cifar10_vgg16/dense\.yaml"):
+        bench.load_spec(spec)
