@@ -1182,13 +1182,13 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
             numel = int(np.prod(t.shape))
             k = num_selected(numel, comp.density)
             idx, vals = exact_topk(tf.reshape(t, [-1]), k)
-            payloads.append((codec.encode(idx, vals, numel, comp.bits)[0], numel, k))
+            payloads.append((codec.encode(idx, vals, numel, comp.bits, comp.index_coding)[0], numel, k))
 
         @tf.function
         def decode_one():
             out = []
             for p, numel, k in payloads:
-                i, v = codec.decode(p, numel, k, comp.bits)
+                i, v = codec.decode(p, numel, k, comp.bits, comp.index_coding)
                 out.append(tf.reduce_sum(tf.scatter_nd(i[:, None], v, [numel])))
             return tf.add_n(out)
 

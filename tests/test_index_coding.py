@@ -302,3 +302,21 @@ def test_elias_fano_training_is_bit_identical_on_every_rank(result):
         node = r["node"]  # Exchanger, hierarchy=node on uneven emulated hosts, 3 exchanges
         assert node["fixed_vs_ef"] == 0.0, node
         assert node["payload_fixed"] == node["P_fixed"] and node["payload_ef"] == node["P_ef"] < node["P_fixed"]
+
+
+def test_the_planner_measures_the_decode_of_the_coding_it_plans(monkeypatch):
+    """perfmodel.measure_compression_s (hgsgc plan's per-payload decode cost) decodes payloads
+    in the setting's index coding."""
+    import hgsgc.compression.codec as codec_mod
+    from hgsgc import perfmodel
+
+    seen = []
+    real = codec_mod.decode
+
+    def spy(payload, numel, k, bits, index_coding="fixed"):
+        seen.append(index_coding)
+        return real(payload, numel, k, bits, index_coding)
+
+    monkeypatch.setattr(codec_mod, "decode", spy)
+    out = perfmodel.measure_compression_s(Compression.sgc(0.05, index_coding=EF), [(40, 30), (90, 7)], reps=1)
+    assert out["per_payload_s"] > 0 and seen and set(seen) == {EF}
