@@ -5,7 +5,6 @@ through
 
 * ``loop``: ``hgsgc.DistributedOptimizer`` in a custom ``tf.function`` step
   (``tape.gradient`` + ``opt.apply_gradients``), the pattern ``hgsgc train`` uses;
-* ``eager``: the same without ``tf.function``;
 * ``fit``: ``model.compile(optimizer=hgsgc.DistributedOptimizer(...))`` + ``model.fit``
   (``shuffle=False``, one epoch of STEPS batches);
 * ``tape``: ``hgsgc.DistributedGradientTape`` + a plain legacy optimizer (delay 1 only; for
@@ -88,14 +87,13 @@ def run(comp, entry, x, y):
         model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
         return bits(model), opt.hgsgc_stats.snapshot()
 
+    @tf.function
     def step(xb, yb):
         with tf.GradientTape() as t:
             loss = loss_fn(yb, model(xb, training=True))
         grads = t.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
-    if entry == "loop":
-        step = tf.function(step)
     for i in range(STEPS):
         step(tf.constant(x[i * B:(i + 1) * B]), tf.constant(y[i * B:(i + 1) * B]))
     return bits(model), opt.hgsgc_stats.snapshot()
@@ -109,7 +107,7 @@ def main():
     mine = {}
     for name in only:
         comp = CASES[name]
-        entries = ["loop", "eager", "fit"] + (["tape"] if comp.delay == 1 else [])
+        entries = ["loop", "fit"] + (["tape"] if comp.delay == 1 else [])
         mine[name] = {e: run(comp, e, x, y) for e in entries}
     everyone = world_comm().gather(mine, root=0) if size > 1 else [mine]
     if rank == 0:
