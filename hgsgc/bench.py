@@ -857,6 +857,8 @@ def run_curve(method: dict, spec: dict, python: Optional[str] = None) -> dict:
     finally:
         rec["run_time_s"] = time.perf_counter() - t0
         rec["load_after"] = _load()
+        if rec["reused"]:  # nothing ran now: this moment's load is not the run's
+            rec["load_before"] = rec["load_after"] = None
     return rec
 
 

@@ -135,3 +135,22 @@ def test_spec_files_load():
             assert s["time_to_target"]["reference"] == "fp16"
     finally:
         os.chdir(cwd)
+
+
+def test_reused_curve_run_has_no_load_of_the_render(tmp_path, committed):
+    """A curve run read again (reuse_curves: nothing runs) must not carry the load average of the
+    moment it was read as if it were the run's (the tables showed 'load 22.3-22.3' for every reused
+    curve: the load while re-rendering)."""
+    import shutil
+
+    path, runs = committed
+    s = _spec(tmp_path, path, runs)
+    for m in s["methods"]:
+        d = os.path.join(s["runs_dir"], f"{s['name']}-curve-{m['name']}")
+        shutil.copytree(m.pop("curve_run"), d)
+    res = bench.run_matrix(s, log=lambda _: None)
+    for name, rec in res["curves"].items():
+        assert rec["reused"] is True and rec["status"] == "ok", name
+        assert rec["load_before"] is None and rec["load_after"] is None, name
+    line = next(ln for ln in bench.markdown(res).splitlines() if ln.startswith("Curve runs"))
+    assert "`hourglass` 100.0 ms/step, load - (reused run)" in line
