@@ -9,6 +9,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 PY = sys.executable
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
 
+# Every MPI job the tests start (through mpirun() below or their own subprocess) runs with the
+# Open MPI setting `hgsgc` itself applies before MPI starts (hgsgc/runtime.py): the progress loop
+# yields the core while it waits. Without it, 3-5 ranks oversubscribed on 2 cores busy-poll each
+# other's cores away (a 2-rank launch took 122 s instead of 24 s at load ~50, st9, session 9).
+# A value already in the environment wins, as in hgsgc.runtime.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 
 def mpirun(np_, args, timeout=300, env=None):
     """Run ``args`` (a python script and its arguments) under mpirun with np_ ranks."""
@@ -16,7 +23,8 @@ def mpirun(np_, args, timeout=300, env=None):
     e.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
-    cmd = MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL"]
+    cmd = MPIRUN + ["-np", str(np_), "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL",
+                    "-x", "OMPI_MCA_mpi_yield_when_idle"]
     for k in (env or {}):
         cmd += ["-x", k]
     cmd += [PY] + list(args)
