@@ -11,7 +11,7 @@ from hgsgc.compression import Compression  # noqa: E402
 
 
 def __getattr__(name):  # lazy: importing hgsgc does not import horovod until needed
-    if name in ("DistributedOptimizer", "DistributedGradientTape"):
+    if name in ("DistributedOptimizer", "DistributedGradientTape", "SynchronizeCallback"):
         from hgsgc import optimizer
 
         return getattr(optimizer, name)
@@ -22,5 +22,5 @@ def __getattr__(name):  # lazy: importing hgsgc does not import horovod until ne
     raise AttributeError(f"module 'hgsgc' has no attribute {name!r}")
 
 
-__all__ = ["Compression", "DistributedOptimizer", "DistributedGradientTape", "Exchanger",
-           "__version__"]
+__all__ = ["Compression", "DistributedOptimizer", "DistributedGradientTape", "SynchronizeCallback",
+           "Exchanger", "__version__"]

@@ -468,3 +468,39 @@ class DistributedGradientTape:
 
     def __exit__(self, *exc):
         return self._tape.__exit__(*exc)
+
+
+class SynchronizeCallback(tf.keras.callbacks.Callback):
+    """``model.fit`` with communication delay: run the pending sync where ``hgsgc train`` does.
+
+    With ``delay=H > 1`` a sync follows every H-th local step, so an epoch whose step count is
+    not a multiple of H ends with each rank holding its own local weights; ``hgsgc train`` then
+    calls :meth:`DistributedOptimizer.hgsgc_synchronize` before evaluating. This callback does
+    the same inside ``model.fit``: before every evaluation (fit's ``validation_data``, and
+    ``model.evaluate(..., callbacks=[...])``), at the end of every epoch and at the end of
+    training, so validation metrics, ``ModelCheckpoint`` files and the weights ``fit`` returns
+    are the same on every rank. Every rank must use it (a sync is a collective). No-op for
+    delay 1, for an optimizer without ``hgsgc_synchronize`` and when no local step is pending.
+
+    Args:
+        variables: the variables the optimizer trains (default: ``model.trainable_variables``).
+    """
+
+    def __init__(self, variables=None):
+        super().__init__()
+        self._variables = variables
+
+    def _sync(self):
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None and hasattr(opt, "hgsgc_synchronize"):
+            opt.hgsgc_synchronize(self._variables if self._variables is not None
+                                  else self.model.trainable_variables)
+
+    def on_test_begin(self, logs=None):
+        self._sync()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._sync()
+
+    def on_train_end(self, logs=None):
+        self._sync()

@@ -162,6 +162,7 @@ def test_every_entry_point_gives_the_same_weights_and_bytes(entries):
     from hgsgc.compression import Compression as C
 
     comps = {"none": C.none, "sgc": C.sgc(0.2), "sgc_delay2": C.sgc(0.2, delay=2),
+             "sgc_delay3": C.sgc(0.2, delay=3),
              "dgc": C.dgc(0.2, local_clip_norm=1.0),
              "terngrad": C.terngrad(), "powersgd": C.powersgd(rank=1)}
     n = entries["size"]
@@ -169,14 +170,16 @@ def test_every_entry_point_gives_the_same_weights_and_bytes(entries):
     assert sorted(ranks[0]) == sorted(comps)
     for name, comp in comps.items():
         want_entries = {"loop", "fit"} | ({"tape"} if comp.delay == 1 else set())
-        ref_w, ref_s = ranks[0][name]["loop"]
+        ref_w, ref_s, _ = ranks[0][name]["loop"]
         for r in range(n):
             got = ranks[r][name]
             assert set(got) == want_entries, (name, set(got))
-            for entry, (w, s) in got.items():
+            for entry, (w, s, _) in got.items():
                 assert w == ref_w, f"{name}: {entry} on rank {r} differs from loop on rank 0"
                 assert s == ref_s, (name, entry, r, s, ref_s)
-        exchanges = ENTRY_STEPS // comp.delay
+            # fit's validation ran on the synced weights: the same loss on every rank
+            assert got["fit"][2]["val_loss"] == ranks[0][name]["fit"][2]["val_loss"], name
+        exchanges = -(-ENTRY_STEPS // comp.delay)  # with delay 3: the sync at 3 and the pending one
         assert ref_s["exchanges"] == exchanges, (name, ref_s)
         if comp.compressed:
             assert ref_s["payload_bytes"] == exchanges * comp.payload_bytes(ENTRY_SHAPES), (name, ref_s)

@@ -4,9 +4,10 @@ For each compression, the same seeded model, per-rank data and optimizer take ST
 through
 
 * ``loop``: ``hgsgc.DistributedOptimizer`` in a custom ``tf.function`` step
-  (``tape.gradient`` + ``opt.apply_gradients``), the pattern ``hgsgc train`` uses;
+  (``tape.gradient`` + ``opt.apply_gradients``, ``hgsgc_synchronize`` after the last step),
+  the pattern ``hgsgc train`` uses;
 * ``fit``: ``model.compile(optimizer=hgsgc.DistributedOptimizer(...))`` + ``model.fit``
-  (``shuffle=False``, one epoch of STEPS batches);
+  (``shuffle=False``, one epoch of STEPS batches, validation data, ``hgsgc.SynchronizeCallback``);
 * ``tape``: ``hgsgc.DistributedGradientTape`` + a plain legacy optimizer (delay 1 only; for
   DGC ``momentum=m`` on the tape and momentum 0 on the optimizer, as documented).
 
@@ -37,10 +38,19 @@ CASES = {
     "none": C.none,
     "sgc": C.sgc(0.2),
     "sgc_delay2": C.sgc(0.2, delay=2),
+    "sgc_delay3": C.sgc(0.2, delay=3),  # 4 steps: a sync at step 3, then a pending local step
     "dgc": C.dgc(0.2, local_clip_norm=1.0),
     "terngrad": C.terngrad(),
     "powersgd": C.powersgd(rank=1),
 }
+
+
+def CALLBACKS():
+    return [hgsgc.SynchronizeCallback()]
+
+
+_g = np.random.default_rng(12)  # the same validation batch on every rank
+VALID = (_g.standard_normal((B, 6)).astype(np.float32), _g.integers(0, 3, size=B).astype(np.int32))
 
 
 def data(rank):
@@ -79,13 +89,14 @@ def run(comp, entry, x, y):
 
         for i in range(STEPS):
             step(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-        return bits(model), holder["tape"].exchanger.stats.snapshot()
+        return bits(model), holder["tape"].exchanger.stats.snapshot(), {}
     opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
                                      compression=comp)
-    if entry == "fit":
+    if entry == "fit":  # validation after the epoch: on synced weights, as hgsgc train evaluates
         model.compile(optimizer=opt, loss=loss_fn)
-        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-        return bits(model), opt.hgsgc_stats.snapshot()
+        hist = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+                         validation_data=VALID, callbacks=CALLBACKS())
+        return bits(model), opt.hgsgc_stats.snapshot(), {"val_loss": hist.history["val_loss"]}
 
     @tf.function
     def step(xb, yb):
@@ -96,7 +107,8 @@ def run(comp, entry, x, y):
 
     for i in range(STEPS):
         step(tf.constant(x[i * B:(i + 1) * B]), tf.constant(y[i * B:(i + 1) * B]))
-    return bits(model), opt.hgsgc_stats.snapshot()
+    opt.hgsgc_synchronize(model.trainable_variables)  # the end of an epoch in hgsgc train
+    return bits(model), opt.hgsgc_stats.snapshot(), {}
 
 
 def main():
