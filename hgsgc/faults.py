@@ -464,16 +464,22 @@ def densify(grads, variables):
     return out
 
 
-def check_same_signature(names, tensors, process_set=None, what="gradient"):
+def check_same_signature(names, tensors, process_set=None, what="gradient", settings=None):
     """Collective (once, eagerly, at trace time): every rank passes the same names, shapes and
-    dtypes; otherwise every rank raises the same error naming the variable and both shapes.
+    dtypes (and the same compression ``settings``, a JSON-like dict such as
+    ``Compression.to_dict()``); otherwise every rank raises the same error naming the setting or
+    the variable and both values.
 
     Without it, a shape that differs across ranks reaches the sparse allgather (whose rows may
     differ in length) and gives wrong averages or a hang, or Horovod's error names only its
-    internal tensor.
+    internal tensor; a compression that differs (another density, bits or index_coding on one
+    rank) gave payloads of another length or layout: an internal decode / Reshape error on every
+    rank, or, for payloads of equal length, a wrong average.
 
     Raises:
-        ValueError: naming the first variable that differs, the ranks and both shapes/dtypes.
+        ValueError: naming the first setting that differs (``compression differs between ranks:
+            KEY V0 on rank 0 but V1 on rank R``), else the first variable that differs, the ranks
+            and both shapes/dtypes.
     """
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -487,7 +493,16 @@ def check_same_signature(names, tensors, process_set=None, what="gradient"):
             return
         from horovod.tensorflow.functions import allgather_object
 
-        allsigs = allgather_object(sig, process_set=ps)
+        allsigs = allgather_object((sig, settings), process_set=ps)
+    allsets = [st for _, st in allsigs]
+    allsigs = [sg for sg, _ in allsigs]
+    for r, st in enumerate(allsets[1:], start=1):
+        if st != allsets[0]:
+            a, b = allsets[0] or {}, st or {}
+            keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)] or ["settings"]
+            raise ValueError(f"compression differs between ranks: " + "; ".join(
+                f"{k} {a.get(k)!r} on rank 0 but {b.get(k)!r} on rank {r}" for k in keys[:3])
+                + ": pass the same compression on every rank")
     ref = allsigs[0]
     for r, s in enumerate(allsigs[1:], start=1):
         if len(s) != len(ref):

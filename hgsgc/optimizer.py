@@ -137,7 +137,8 @@ class _HgsgcOptimizerMixin:
         grads = faults.densify(grads, variables)
         key = tuple(names)
         if key not in self._hgsgc_checked:
-            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set)
+            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set,
+                                        settings=_settings(self._hgsgc_compression))
             self._hgsgc_checked.add(key)
         mode = self._hgsgc_nonfinite
         if exchange_fn is not None:
@@ -353,6 +354,12 @@ def _lead_rank(process_set) -> int:
     return min(ranks) if ranks else 0
 
 
+def _settings(comp) -> dict:
+    """``comp.to_dict()`` (JSON-like), compared across ranks by the first step's signature check."""
+    to_dict = getattr(comp, "to_dict", None)
+    return dict(to_dict()) if callable(to_dict) else {"compression": repr(comp)}
+
+
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
 _TAPE_CHECKED = set()  # (id(exchanger), names): ranks' gradient signatures compared already
 
@@ -441,7 +448,8 @@ class DistributedGradientTape:
         names = _var_names(flat_src)
         key = (id(self.exchanger), tuple(names))
         if key not in _TAPE_CHECKED:  # once per model, as the optimizer does (a collective)
-            faults.check_same_signature(names, flat_g, self._process_set)
+            faults.check_same_signature(names, flat_g, self._process_set,
+                                        settings=dict(_settings(self._comp), momentum=self._momentum))
             _TAPE_CHECKED.add(key)
         avg = self.exchanger.exchange(flat_g, names)
         return tf.nest.pack_sequence_as(grads, avg)
