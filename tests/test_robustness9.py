@@ -98,3 +98,60 @@ def test_a_compression_that_differs_across_ranks_stops_every_rank_naming_it(np_,
             else "density 0.5 on rank 0 but 0.25 on rank ") + f"{np_ - 1}"
     assert f"compression differs between ranks: {want}" in got[0], got[0]
     assert "pass the same compression on every rank" in got[0], got[0]
+
+
+# ------------------------------------------------------------------ Elias-Fano index coding (held)
+@pytest.mark.mpi
+def test_elias_fano_equals_fixed_for_every_sparse_method_and_hierarchy_on_3_ranks():
+    """Top-k (fp32 and 2-bit), DGC and SGC (2-bit and fp32) over allgather with buckets=2, tree and
+    node (uneven emulated hosts 2+1), numel 1 / 5 / 17 / 1001, density 0.05 and 1.0 (k == numel):
+    with elias_fano every average and residual equals fixed coding's bit for bit, with the C++
+    kernels and with the pure-TF reference alike, on every rank; payload bytes are the formula
+    (wire.payload_length per tensor, per exchange); the flat allgather sends (n - 1) P."""
+    from conftest import mpi_result
+
+    out = mpi_result(3, ["tests/mpi/brk9_ef_matrix.py"], timeout=400)
+    steps = 2
+    for per_rank in out["ranks"]:
+        assert len(per_rank) == 6
+        for c in per_rank:
+            method, bits, hier, buckets, density = c["case"]
+            assert c["diff"] == {"custom/fixed": 0.0, "custom/elias_fano": 0.0, "reference/fixed": 0.0,
+                                 "reference/elias_fano": 0.0}, c
+            assert c["spread"] == 0.0, c
+            for key, got in c["payload"].items():
+                assert got == steps * c["P"][key.split("/")[1]], (c["case"], key, got, c["P"])
+            if hier == "allgather":
+                for key, got in c["sent"].items():
+                    assert got == steps * 2 * c["P"][key.split("/")[1]], (c["case"], key, got)
+            if density == 1.0 or bits == 2:
+                assert c["P"]["elias_fano"] < c["P"]["fixed"], c
+
+
+def test_elias_fano_on_a_tensor_of_more_than_2_24_entries():
+    """numel = 2^24 + 3 (indices past float32's exact integers, l = 22 low bits): the fused C++
+    compress and the pure-TF reference give the same payload bytes, of the formula's length, and
+    both decoders give back the same entries (decode_accumulate of two copies = 2 x the entries).
+    (Bit offsets: the C++ code keeps them in int64 / uint64; H = k + ((numel-1) >> l) < 3k and
+    k l < 2^31 for every numel < 2^31, so no 32-bit overflow there; the pure-TF reference's int32
+    positions would need k >= 2^31 / 3 entries.)"""
+    import numpy as np
+    import tensorflow as tf
+
+    from hgsgc.compression import kernels, wire
+
+    numel, k = (1 << 24) + 3, 3
+    g = np.zeros(numel, np.float32)
+    want = np.array([7, (1 << 24) + 1, (1 << 24) + 2])
+    g[want] = [3.0, -5.0, 4.0]
+    assert wire.ef_low_bits(numel, k) == 22
+    p_c, _ = kernels.compress(g, None, k, 32, backend="custom", index_coding="elias_fano")
+    p_r, _ = kernels.compress(g, None, k, 32, backend="reference", index_coding="elias_fano")
+    assert p_c.shape[0] == wire.payload_length(numel, k, 32, "elias_fano") == 9 + 1 + 12  # ceil(3*22/8) + ceil((3 + 4)/8) + 4k
+    assert np.array_equal(p_c.numpy(), p_r.numpy())
+    idx, vals = wire.decode(p_c, numel, k, 32, "elias_fano")
+    assert idx.numpy().tolist() == want.tolist() and vals.numpy().tolist() == [3.0, -5.0, 4.0]
+    rows = tf.stack([p_c, p_r])
+    for backend in ("custom", "reference"):
+        s = kernels.decode_accumulate(rows, numel, k, 32, backend=backend, index_coding="elias_fano").numpy()
+        assert np.flatnonzero(s).tolist() == want.tolist() and s[want].tolist() == [6.0, -10.0, 8.0]
