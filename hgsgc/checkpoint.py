@@ -385,8 +385,15 @@ def describe_differences(saved: dict, current: dict) -> List[str]:
                    if a.get(n) != b.get(n)][:3]
             diffs.append(f"{label} differ ({'; '.join(bad)})")
         else:
-            diffs.append(f"{label}: checkpoint {json.dumps(a, sort_keys=True)}, "
-                         f"this run {json.dumps(b, sort_keys=True)}")
+            whole = (f"{label}: checkpoint {json.dumps(a, sort_keys=True)}, "
+                     f"this run {json.dumps(b, sort_keys=True)}")
+            if key in ("compression", "fc_compression") and isinstance(a, dict) and isinstance(b, dict):
+                # a dozen settings each: name the ones that differ first
+                keys = [k for k in sorted(set(a) | set(b)) if a.get(k, "absent") != b.get(k, "absent")]
+                named = "; ".join(f"{k}: {json.dumps(a.get(k, 'absent'))} in the checkpoint, "
+                                  f"{json.dumps(b.get(k, 'absent'))} in this run" for k in keys[:3])
+                whole = f"{label} differs in {named}{' ...' if len(keys) > 3 else ''} ({whole})"
+            diffs.append(whole)
     return diffs
 
 
