@@ -107,13 +107,18 @@ def test_elias_fano_equals_fixed_for_every_sparse_method_and_hierarchy_on_3_rank
     node (uneven emulated hosts 2+1), numel 1 / 5 / 17 / 1001, density 0.05 and 1.0 (k == numel):
     with elias_fano every average and residual equals fixed coding's bit for bit, with the C++
     kernels and with the pure-TF reference alike, on every rank; payload bytes are the formula
-    (wire.payload_length per tensor, per exchange); the flat allgather sends (n - 1) P."""
+    (wire.payload_length per tensor, per exchange); the flat allgather sends (n - 1) P. DGC's
+    warm-up of sparsity through the optimizer (k changes between steps): the same weights with
+    either coding and payload bytes = the sum over steps of each step's formula."""
     from conftest import mpi_result
 
     out = mpi_result(3, ["tests/mpi/brk9_ef_matrix.py"], timeout=400)
     steps = 2
     for per_rank in out["ranks"]:
-        assert len(per_rank) == 6
+        assert len(per_rank) == 7
+        warm = per_rank.pop()  # DGC warm-up through the optimizer: density 0.25, 0.0625, 0.01, 0.01
+        assert warm["case"] == ["dgc_warmup"] and warm["diff"] == 0.0, warm
+        assert warm["payload"] == warm["P"] and warm["P"]["elias_fano"] < warm["P"]["fixed"], warm
         for c in per_rank:
             method, bits, hier, buckets, density = c["case"]
             assert c["diff"] == {"custom/fixed": 0.0, "custom/elias_fano": 0.0, "reference/fixed": 0.0,

@@ -59,6 +59,32 @@ for method, bits, hier, buckets, density in CASES:
                 "sent": {k: st["bytes_sent"] for k, (_, st) in outs.items()},
                 "P": {cd: sum(wire.payload_length(math.prod(s), ref.k_for(math.prod(s), density), bits, cd)
                               for s in SHAPES) for cd in ("fixed", "elias_fano")}})
+# DGC's warm-up of sparsity through hgsgc.DistributedOptimizer: k changes between steps
+# (hgsgc_set_density, as hgsgc train does), the payload length follows it
+import hgsgc  # noqa: E402
+
+ops.set_compression_backend("custom")
+DENSITIES = [0.25, 0.0625, 0.01, 0.01]
+warm = {}
+for coding in ("fixed", "elias_fano"):
+    tf.keras.utils.set_random_seed(3)
+    model = tf.keras.Sequential([tf.keras.Input((37,)), tf.keras.layers.Dense(29), tf.keras.layers.Dense(3)])
+    opt = hgsgc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9),
+                                     compression=hgsgc.Compression.dgc(DENSITIES[0], index_coding=coding))
+    for i, d in enumerate(DENSITIES):
+        opt.hgsgc_set_density(d)
+        g = np.random.default_rng([i, rank])
+        x = tf.constant(g.standard_normal((4, 37)).astype(np.float32))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    sizes = [math.prod(v.shape) for v in model.trainable_variables]
+    warm[coding] = {"w": [v.numpy() for v in model.trainable_variables],
+                    "payload": opt.hgsgc_stats.snapshot()["payload_bytes"],
+                    "P": sum(wire.payload_length(m, ref.k_for(m, d), 32, coding) for d in DENSITIES for m in sizes)}
+res.append({"case": ["dgc_warmup"], "diff": max(float(np.max(np.abs(a - b))) for a, b in
+                                                zip(warm["fixed"]["w"], warm["elias_fano"]["w"])),
+            "payload": {k: v["payload"] for k, v in warm.items()}, "P": {k: v["P"] for k, v in warm.items()}})
 allres = hvd.allgather_object(res)
 if rank == 0:
     print("RESULT " + json.dumps({"size": n, "ranks": allres}))
