@@ -27,7 +27,7 @@ hvd.init()
 rank, n = hvd.rank(), hvd.size()
 SHAPES = [(1,), (5,), (17,), (7, 11, 13)]
 NAMES = [f"t{i}" for i in range(len(SHAPES))]
-SIZES = {2: [1, 1], 3: [2, 1], 4: [3, 1]}.get(n, [n])
+SIZES = {2: [1, 1], 3: [2, 1], 4: [3, 1], 5: [2, 3]}.get(n, [n])
 STEPS = 2
 CASES = [("topk", 32, "allgather", 2, 0.05), ("sgc", 2, "tree", 1, 1.0), ("dgc", 32, "node", 1, 0.05),
          ("sgc", 32, "allgather", 1, 1.0), ("topk", 2, "node", 1, 1.0), ("dgc", 32, "tree", 1, 1.0)]
