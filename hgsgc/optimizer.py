@@ -489,6 +489,9 @@ class SynchronizeCallback(tf.keras.callbacks.Callback):
     training, so validation metrics, ``ModelCheckpoint`` files and the weights ``fit`` returns
     are the same on every rank. Every rank must use it (a sync is a collective). No-op for
     delay 1, for an optimizer without ``hgsgc_synchronize`` and when no local step is pending.
+    Keras calls ``on_epoch_end`` in list order: put this callback **before** ``ModelCheckpoint``
+    (and any other callback that reads the weights at epoch end), or those see the unsynced
+    local weights of the epoch's last steps.
 
     Args:
         variables: the variables the optimizer trains (default: ``model.trainable_variables``).
