@@ -41,6 +41,14 @@ docs/benchmarks.md, "Validation with the measured Horovod/MPI CPU")::
                 docs/benchmarks/fmnist_4h_s8_r1.json=$Q docs/benchmarks/clean_2h_s8_load6.json=$Q \
         --md docs/benchmarks/perfmodel_validation_cpu.md --json docs/benchmarks/perfmodel_validation_cpu.json
 
+Session 9's grid cells on 2 and 8 hosts (docs/benchmarks.md, "The grid on 2 and 8 hosts"; the
+8-host cells are time-dilated and predicted on their emulated link)::
+
+    Q=docs/benchmarks/link_calibration_quiet.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py \
+        --bench docs/benchmarks/ptb_2h.json=$Q docs/benchmarks/vgg16_2h.json=$Q docs/benchmarks/ptb_8h.json=$Q \
+        --md docs/benchmarks/perfmodel_validation_grid_s9.md --json docs/benchmarks/perfmodel_validation_grid_s9.json
+
 (the cells of sessions 4 and 7, on a quiet machine with a core per rank, use the quiet
 calibration; the older rows keep the calibration they were predicted with, taken with both ranks
 on one core. Left out as disturbed by another job (docs/benchmarks/step_profile.md and
