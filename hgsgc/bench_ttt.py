@@ -30,6 +30,13 @@ from typing import Dict, List, Optional
 from hgsgc.perfmodel import time_to_target as _ttt
 
 
+def cell_label(row: dict) -> str:
+    """A table row's method name, with the stored cell's name when the cell was read under
+    another name (``hgsgc bench`` ``cells_from`` with a method's ``cells``): ``"m (cell `c`)"``."""
+    name = row.get("cell_name", row["method"])
+    return row["method"] + (f" (cell `{name}`)" if name != row["method"] else "")
+
+
 def target_value(ref_final: float, mode: str = "min", rel: Optional[float] = None,
                  abs_: Optional[float] = None) -> float:
     """The target from the reference run's final value.
@@ -272,7 +279,7 @@ def markdown(results: dict) -> List[str]:
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append("| " + " | ".join([
-                r["method"] + (f" (cell `{r['cell_name']}`)" if r.get("cell_name", r["method"]) != r["method"] else ""),
+                cell_label(r),
                 r["role"], _fmt(r["step_s"], "{:.3f}"), _fmt(r.get("eval_measured_s")),
                 _fmt(r["eval_s"]), _fmt(r["epoch"], "{}"),
                 _fmt(r["steps"], "{}"),
