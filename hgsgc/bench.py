@@ -18,6 +18,7 @@ Spec::
     timeout_s: 900                        # per cell
     compute_only: true
     dilation: none                        # none | cpu_share | gpu (see dilation_factor)
+    cpu_share_reference: null             # cpu_share only: a method whose factor every method gets
     pin: false                            # true: each rank on core (rank % cores), train.threads=1
     methods:
       - name: horovod_dense               # a label
@@ -74,7 +75,7 @@ def _emulated():
 
 
 SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
-             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "gpu_reference", "pin",
+             "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "gpu_reference", "cpu_share_reference", "pin",
              "full_epoch_steps", "time_to_target", "cells_from")
 DILATIONS = ("none", "cpu_share", "gpu")
 METHOD_KEYS = ("name", "config", "overrides", "mpi_args", "role", "cell_overrides", "curve_run", "cells")
@@ -192,6 +193,16 @@ def load_spec(path_or_dict) -> dict:
     if spec["dilation"] == "cpu_share" and not (spec["compute_only"] and spec["compute_only_shared"]):
         raise SpecError("spec: dilation: cpu_share needs compute_only and compute_only_shared "
                         "(the CPU share of a cell is its compute-only step alone / with n processes at once)")
+    cref = spec.get("cpu_share_reference")
+    if cref is not None:
+        if spec["dilation"] != "cpu_share":
+            raise SpecError(f"spec: cpu_share_reference needs dilation: cpu_share (got dilation: "
+                            f"{spec['dilation']}); remove it or set dilation: cpu_share")
+        listed = lambda key: spec[key] is True or (isinstance(spec[key], list) and cref in spec[key])
+        if not isinstance(cref, str) or cref not in names or not listed("compute_only") \
+                or not listed("compute_only_shared"):
+            raise SpecError(f"spec: cpu_share_reference must name a method that is in compute_only and "
+                            f"compute_only_shared (its factor is every method's), got {cref!r}")
     if spec["dilation"] == "gpu":
         g = spec.get("gpu_step_ms")
         if not isinstance(g, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in g.values()) \
@@ -518,7 +529,11 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
     alone (a GPU host, tens of times faster; with the shared step ``f`` is the GPU factor times the
     CPU share). With ``gpu_reference: R`` every method gets R's factor: one emulated machine that
     computes ``1/f`` times faster than this one for every method alike (its compression compute
-    included), every link at the same emulated rate.
+    included), every link at the same emulated rate. ``cpu_share_reference: R`` does the same for
+    ``cpu_share``: every method gets R's factor (R's compute-only step alone / with ``hosts`` at
+    once), so every method's link runs at one emulated rate; without it each method's factor is
+    measured at its own moment, and on a loaded machine the methods' links run at different rates
+    (docs/benchmarks.md, "Session 10": why the reference is the fairer comparison).
     ``none``: None. A missing measurement gives None and the cell records why.
     """
     mode = spec.get("dilation", "none")
@@ -526,6 +541,8 @@ def dilation_factor(spec: dict, results: dict, method: str, hosts: int) -> Optio
         return None
     if mode == "gpu" and spec.get("gpu_reference"):
         method = spec["gpu_reference"]  # one factor for every method: the reference's
+    if mode == "cpu_share" and spec.get("cpu_share_reference"):
+        method = spec["cpu_share_reference"]  # one factor for every method: the reference's
     alone = results["compute_only"].get(method, {})
     if alone.get("status") != "ok":
         return None
@@ -569,9 +586,12 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
     link_rate = bandwidth
     if spec.get("dilation", "none") != "none":
         cell["dilation"] = {"mode": spec["dilation"], "factor": dilation}
+        ref = spec.get("cpu_share_reference") if spec["dilation"] == "cpu_share" else None
+        if ref:
+            cell["dilation"]["reference"] = ref
         if dilation is None:
             cell["error"] = (f"dilation {spec['dilation']}: no factor (compute-only measurement of "
-                             f"{method['name']} missing or failed)")
+                             f"{ref or method['name']!r} missing or failed)")
             cell["load_after"] = _load()
             return cell
         link_rate = dilated_rate(bandwidth, dilation)

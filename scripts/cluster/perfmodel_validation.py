@@ -81,12 +81,20 @@ def _load_range(load):
 
 
 def calibration_from(path, bandwidth, put=True):
-    """The perfmodel calibration dict for ``bandwidth`` from calibrate_link.py's JSON (the cell
-    of that bandwidth; ``put``: Open MPI's default TCP flags)."""
+    """The perfmodel calibration dict for ``bandwidth`` from calibrate_link.py's JSON: the probe
+    (2 emulated hosts, ``Sendrecv`` rounds) of the probed bandwidth nearest to ``bandwidth``.
+
+    ``efficiency`` = the probe's measured rate (the fit's beta without ``put``) / its nominal
+    rate, so the link is charged at what the emulated link carried (e.g. 0.44 at 1 Gbit/s on this
+    2-core machine, CPU-bound), not at the nominal rate; ``alpha_s`` = the median 0-byte round;
+    ``bidir_factor`` = beta(put) / beta(no put), capped at 1, when ``put`` (Open MPI's default
+    TCP flags) else 1; ``pinned``: whether the probe's ranks were pinned to a core each (the
+    file's ``pinned``, ``calibrate_link.py --pin``; files from before it ran unpinned). No
+    ``path``: :data:`hgsgc.perfmodel.EMULATOR` (``pinned`` None)."""
     from hgsgc import perfmodel as pm
 
     if not path:
-        return dict(pm.EMULATOR)
+        return dict(pm.EMULATOR, pinned=None)
     with open(path) as f:
         cal = json.load(f)
     rate = pm.parse_rate(bandwidth)
@@ -94,9 +102,11 @@ def calibration_from(path, bandwidth, put=True):
     # alpha: the median 0-byte round (the fit's intercept is poorly determined under load)
     zero = [r["median_s"] for r in cell["no_put"]["runs"] if r["size"] == 0]
     alpha = zero[0] if zero else max(0.0, cell["no_put"]["alpha_s"])
+    pinned = bool(cal.get("pinned", False))
     return {"alpha_s": alpha, "efficiency": cell["efficiency"],
             "bidir_factor": min(1.0, cell["bidir_factor"]) if put else 1.0,
-            "cycle_s": pm.EMULATOR["cycle_s"], "source": f"{path} ({cell['bandwidth']})"}
+            "cycle_s": pm.EMULATOR["cycle_s"], "pinned": pinned,
+            "source": f"{path} ({cell['bandwidth']}, {'pinned' if pinned else 'unpinned'} probe)"}
 
 
 def hvd_overhead_of(r):
@@ -252,7 +262,11 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
                      "dilation": {"mode": dil.get("mode"), "factor": dil.get("factor"), "emulated_rate": rate}
                      if dil else None, "hosts": k,
                      "samples": False, "tuned": tuned, "compute_basis": basis,
-                     "settings": ("put removed" if tuned else "Open MPI defaults (put)") + f", compute {basis}",
+                     "settings": ("put removed" if tuned else "Open MPI defaults (put)") + f", compute {basis}"
+                     + ("" if cal.get("pinned") is None else
+                        f", {'pinned' if cal['pinned'] else 'unpinned'} probe"
+                        f" {8e-6 * cal['efficiency'] * pm.parse_rate(rate):.0f} Mbit/s"),
+                     "calibration_pinned": cal.get("pinned"),
                      "load": [cell.get("load_before", [0])[0] if isinstance(cell.get("load_before"), list)
                               else cell.get("load_before", 0),
                               cell.get("load_after", [0])[0] if isinstance(cell.get("load_after"), list)
@@ -369,7 +383,7 @@ def main(argv=None):
                      or "Horovod/Open MPI defaults", "load": [r["load_before"][0], r["load_after"][0]],
                      "predicted": p, "measured_step_s": meas,
                      "error": p["step_s"] / meas - 1, "calibration": cal["source"],
-                     "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
+                     "calibration_pinned": cal.get("pinned"), "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
                      "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
     for path in args.bench:
         path, _, cal = path.partition("=")  # FILE=CALIBRATION: this bench's own calibration
