@@ -192,7 +192,13 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
         mpi_args = [*spec.get("mpi_args", []), *m.get("mpi_args", [])]
         tuned = any("btl_tcp_flags" in a for a in mpi_args) and not any(
             "put" in a for a in mpi_args if "," in a)
-        cfg = load_config(m["config"], [*spec["overrides"], *m["overrides"], *m.get("cell_overrides", [])])
+        # the index coding the cell ran with (its record; cells from before session 9 have none and
+        # ran fixed): the stored spec names only the overrides given, the library's current default
+        # filled in the rest, and that default may have changed since
+        cc = cell.get("compression") or {}
+        coding = cc.get("index_coding", "fixed") if "density" in cc else None
+        cfg = load_config(m["config"], [*spec["overrides"], *m["overrides"], *m.get("cell_overrides", []),
+                                        *([f"compression.index_coding={coding}"] if coding else [])])
         key = (cfg.model.name, cfg.model.width, cfg.data.format)
         if key not in shapes_of:
             model, _ = build_plan_model(cfg)
@@ -225,6 +231,7 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
             continue
         compute = (shared if basis == "shared" else alone)["mean_step_time_s"]
         dens = density_schedule(cfg.compression)
+        payload_model = pm.traffic(compression_from_config(cfg.compression), shapes).payload_bytes
         timed = range(1, int(cell["steps"]))  # the first step (graph tracing) is not in the mean
         if dens is None:
             p = pm.predict_step(compute, 0.0, pm.traffic(compression_from_config(cfg.compression), shapes), k, link,
@@ -258,6 +265,7 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
                      "run": f"{os.path.splitext(os.path.basename(path))[0]}:{cell['method']}@{k}h/{bw}",
                      "kind": f"bench cell ({k} hosts, {'pinned' if spec.get('pin') else 'unpinned'})",
                      "method": cell["method"], "delay": int(cfg.compression.delay),
+                     "index_coding": coding, "payload_bytes_model": payload_model,
                      "bandwidth": bw if rate == bw else f"{bw} (dilated: {rate})",
                      "dilation": {"mode": dil.get("mode"), "factor": dil.get("factor"), "emulated_rate": rate}
                      if dil else None, "hosts": k,
