@@ -125,3 +125,20 @@ def test_put_cell_takes_the_probes_pairwise_factor(tmp_path):
     b0 = min(250000 * 1448 / 1514, (0.0132 + coord) * beta)
     assert row["predicted"]["wire_s"] == pytest.approx(c["messages"] * alpha + (c["bytes"] - b0) / (0.9 * beta),
                                                        rel=1e-12)
+
+
+def test_before_and_after_table(tmp_path):
+    """``--before ROWS.json``: each cell's error under the earlier run (here: no probe, the
+    EMULATOR defaults) beside its error now (the probe), and both counts over the same cells."""
+    v = _validation()
+    bench, probe = _bench(tmp_path, NO_PUT), _probe(tmp_path)
+    a, b, md = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "b.md"
+    assert v.main(["--bench", bench, "--json", str(a)]) == 0
+    assert v.main(["--bench", f"{bench}={probe}", "--before", str(a), "--json", str(b), "--md", str(md)]) == 0
+    (ra,), (rb,) = json.load(open(a)), json.load(open(b))
+    assert rb["error_before"] == ra["error"] and rb["error"] != ra["error"]
+    text = md.read_text()
+    assert "| error before |" in text.splitlines()[0]
+    assert f"| {100 * rb['error']:+.1f} % | {100 * ra['error']:+.1f} % |" in text
+    within = lambda e: int(abs(e) <= 0.15)
+    assert f"the same 1 cells: within 15 %: {within(ra['error'])} of 1; now: {within(rb['error'])} of 1." in text

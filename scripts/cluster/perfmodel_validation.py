@@ -301,6 +301,9 @@ def main(argv=None):
     ap.add_argument("--cpu-term-step-profiles", action="store_true",
                     help="also give step_profile cells the measured Horovod/MPI CPU term (their own run's "
                          "cpu_ms_hvd_mpi in the step rounds; compute_no_hvd has no Horovod thread)")
+    ap.add_argument("--before", default=None, metavar="ROWS_JSON",
+                    help="the --json of an earlier run of this script on the same cells (e.g. another "
+                         "calibration): adds each cell's error there as 'error before' and its count")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -409,16 +412,30 @@ def main(argv=None):
             print(f"bench cells: measured Horovod overhead per collective {over * 1e3:.1f} ms (median of "
                   f"{len(vals)} step-profile runs)", file=sys.stderr)
         rows += bench_rows(path, cal or args.bench_calibration or args.calibration, over, tbf=not args.no_burst)
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = {x["run"]: x["error"] for x in json.load(f)}
+        for x in rows:
+            x["error_before"] = before.get(x["run"])
     lines = ["| cell | how it ran | method | H | link | settings | loadavg | compute ms | compression ms/step "
-             "| wait for slowest ms/step | wire ms/step | coordination ms/step | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| wait for slowest ms/step | wire ms/step | coordination ms/step | predicted ms | measured ms | error |"
+             + (" error before |" if before is not None else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if before is not None else "")]
     for x in rows:
         p = x["predicted"]
+        eb = x.get("error_before")
         lines.append(f"| `{x['run']}` | {x['kind']} | {x['method']} | {x['delay']} | {x['bandwidth']} | "
                      f"{x['settings']} | {_load_range(x['load'])} | {p['compute_s'] * 1e3:.1f} | "
                      f"{p['compression_s'] * 1e3:.1f} | {p.get('wait_s', 0.0) * 1e3:.1f} | {p['wire_s'] * 1e3:.1f} | "
                      f"{p['coordination_s'] * 1e3:.1f} | {p['step_s'] * 1e3:.1f} | {x['measured_step_s'] * 1e3:.1f} | "
-                     f"{100 * x['error']:+.0f} % |")
+                     f"{100 * x['error']:+.{1 if before is not None else 0}f} % |"
+                     + ("" if before is None else " - |" if eb is None else f" {100 * eb:+.1f} % |"))
+    if before is not None:
+        both = [x for x in rows if x.get("error_before") is not None]
+        lines += ["", f"before (`{args.before}`), the same {len(both)} cells: within 15 %: "
+                      f"{sum(abs(x['error_before']) <= 0.15 for x in both)} of {len(both)}; now: "
+                      f"{sum(abs(x['error']) <= 0.15 for x in both)} of {len(both)}.  "]
     if rows:
         lines.append("")
         for label, sel in (("all", rows), (f"quiet (load average < {QUIET_LOAD:g} before and after)",
