@@ -67,3 +67,14 @@ def test_the_two_codings_differ_only_in_the_wire(tmp_path):
     assert a["predicted"]["coordination_s"] == b["predicted"]["coordination_s"]
     beta = 1e8 / 8 * pm.EMULATOR["efficiency"] * pm.EMULATOR["bidir_factor"]   # 2 ranks: pairwise
     assert a["predicted"]["wire_s"] - b["predicted"]["wire_s"] == pytest.approx((24964 - 12812) / beta, rel=1e-9)
+
+
+def test_step_profile_rows_take_fixed_indices_when_none_recorded(tmp_path):
+    """A committed session-7 step profile (SGC delay 1, alexnet_small, density 0.005; no coding
+    recorded: it ran fixed) is predicted with the fixed coding's 24,964 B, whatever the default."""
+    v = _validation()
+    f = os.path.join(ROOT, "docs/benchmarks/step_profile/s7_buckets_1gbit.json")
+    out = tmp_path / "rows.json"
+    assert v.main([f, "--json", str(out)]) == 0
+    (row,) = json.load(open(out))
+    assert (row["index_coding"], row["payload_bytes_model"]) == ("fixed", 24964)

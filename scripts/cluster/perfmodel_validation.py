@@ -326,7 +326,8 @@ def main(argv=None):
         shapes = shapes_of[r["model"]]
         m = r["method"]
         if m in ("sgc", "topk"):
-            kw = {"density": r["density"]}
+            # the coding the profile ran with: recorded since session 9, none before (fixed)
+            kw = {"density": r["density"], "index_coding": r.get("index_coding") or "fixed"}
             if m == "sgc":
                 kw["delay"] = r["delay"]
             comp = getattr(hgsgc.Compression, m)(**kw)
@@ -386,6 +387,8 @@ def main(argv=None):
         rows.append({"hvd_mpi_cpu": cpu_term if args.cpu_term_step_profiles else None,
                      "run": os.path.basename(path)[:-5], "kind": "step_profile (2 pinned hosts)",
                      "method": m, "delay": r["delay"], "bandwidth": bw,
+                     "index_coding": kw["index_coding"] if m in ("sgc", "topk") else None,
+                     "payload_bytes_model": pm.traffic(comp, shapes).payload_bytes,
                      "hosts": r["world_size"], "samples": bool(samples), "tuned": tuned,
                      "settings": ", ".join(f"{k.replace('OMPI_MCA_mpi_', '').replace('HOROVOD_', '')}={v}"
                                            for k, v in sorted(r["env"].items())
