@@ -327,7 +327,8 @@ def main(argv=None):
         m = r["method"]
         if m in ("sgc", "topk"):
             # the coding the profile ran with: recorded since session 9, none before (fixed)
-            kw = {"density": r["density"], "index_coding": r.get("index_coding") or "fixed"}
+            kw = {"density": r["density"], "index_coding": r.get("index_coding")
+                  or (r.get("compression") or {}).get("index_coding") or "fixed"}
             if m == "sgc":
                 kw["delay"] = r["delay"]
             comp = getattr(hgsgc.Compression, m)(**kw)
