@@ -362,6 +362,17 @@ def _settings(comp) -> dict:
 
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
 _TAPE_CHECKED = set()  # (id(exchanger), names): ranks' gradient signatures compared already
+_TAPE_SKIPPED = {}  # id(exchanger) -> int64 tf.Variable: gradient() calls skipped for NaN/Inf
+
+
+def _tape_skipped_var(exchanger) -> tf.Variable:
+    """The skipped-call counter of the tapes sharing ``exchanger`` (created on first use)."""
+    key = id(exchanger)
+    if key not in _TAPE_SKIPPED:
+        with tf.init_scope():
+            _TAPE_SKIPPED[key] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                             name="hgsgc_tape_skipped_steps")
+    return _TAPE_SKIPPED[key]
 
 
 def _tape_exchanger(comp, process_set, sources, momentum=None) -> Exchanger:
@@ -400,17 +411,38 @@ class DistributedGradientTape:
     (one small collective, as :func:`DistributedOptimizer` does), so a model that differs across
     ranks stops every rank with the same error naming the variable.
 
+    ``nonfinite`` (what a NaN/Inf gradient on any rank does, as ``faults.nonfinite`` of
+    ``hgsgc train``): ``"off"`` (default, as Horovod: no check; with error feedback one NaN then
+    stays in the residual and every later average is NaN), ``"raise"`` (every rank stops with the
+    same ``InvalidArgumentError`` before the exchange writes a residual) or ``"skip"`` (on every
+    rank alike, ``gradient()`` returns all-zero gradients and the exchange does not run: residuals,
+    velocity, PowerSGD factors and byte counts stay as they were, a warning is printed on the
+    process set's first rank and :attr:`skipped_steps` counts it). A compressed exchange costs one
+    4-byte ``allreduce(op=Min)`` of the local verdict per call; a dense exchange without state
+    (``Compression.none`` / ``fp16``) is checked on the average, which carries any rank's NaN/Inf,
+    with no extra collective. Zero gradients change nothing under plain SGD, but an optimizer with
+    momentum or Adam still advances its own slots: for an exact skip of the whole step use
+    :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``.
+
     Raises:
         ValueError: ``compression`` with ``delay > 1``; momentum correction without
             ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument;
+            ``nonfinite`` not one of ``"off"``, ``"skip"``, ``"raise"``;
             (from ``gradient()``) a gradient whose shape or dtype differs across ranks.
+        tf.errors.InvalidArgumentError: (from ``gradient()``, ``nonfinite="raise"``) a NaN/Inf
+            gradient on some rank, on every rank alike.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
-                 scale_local_gradients=True, momentum=None):
+                 scale_local_gradients=True, momentum=None, nonfinite="off"):
         _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
+        from hgsgc.faults import NONFINITE_MODES
+
+        if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
+        self._nonfinite = nonfinite
         comp = as_compression(compression)
         if comp.delay != 1:
             raise ValueError("DistributedGradientTape exchanges every step: use "
@@ -439,7 +471,7 @@ class DistributedGradientTape:
         flat_src = tf.nest.flatten(sources)
         self.exchanger = _tape_exchanger(self._comp, self._process_set, flat_src, self._momentum)
         if self._pending_state is not None:
-            self.exchanger.load_state_dict(self._pending_state)
+            self._load_state(self._pending_state)
             self._pending_state = None
         from hgsgc import faults
 
@@ -451,13 +483,70 @@ class DistributedGradientTape:
             faults.check_same_signature(names, flat_g, self._process_set,
                                         settings=dict(_settings(self._comp), momentum=self._momentum))
             _TAPE_CHECKED.add(key)
-        avg = self.exchanger.exchange(flat_g, names)
+        if self._nonfinite == "off":
+            avg = self.exchanger.exchange(flat_g, names)
+        else:
+            avg = self._guarded_exchange(flat_g, names)
         return tf.nest.pack_sequence_as(grads, avg)
+
+    def _guarded_exchange(self, flat_g, names):
+        """The exchange under ``nonfinite`` "raise" / "skip" (see the class docstring)."""
+        from hgsgc import faults
+
+        ex, ps = self.exchanger, self._process_set
+        live = [i for i, g in enumerate(flat_g) if g is not None]
+
+        def exchange():
+            out = ex.exchange(flat_g, names)
+            return [out[i] for i in live]
+
+        if ex.pipeline is None:  # dense, stateless: exchange, then check the average (no collective)
+            avg = exchange()
+            ok = faults.all_finite(avg)
+            run = lambda: avg  # noqa: E731
+        else:  # residuals are written inside the exchange: agree on the verdict before it
+            ok = faults.all_ranks_finite([flat_g[i] for i in live], ps,
+                                         name=f"hgsgc_tape_finite_{len(_TAPE_CHECKED)}")
+            run = exchange
+        if self._nonfinite == "raise":
+            with tf.control_dependencies([tf.debugging.Assert(
+                    ok, ["hgsgc: NaN/Inf gradient on some rank (DistributedGradientTape "
+                         "nonfinite=raise)"])]):
+                kept = [tf.identity(t) for t in run()]
+        else:
+            skipped = _tape_skipped_var(ex)
+
+            def skip():
+                inc = skipped.assign_add(1)
+                deps = [inc]
+                if hvd.rank() == _lead_rank(ps):
+                    deps.append(tf.print("hgsgc: warning: NaN/Inf gradient on some rank: tape "
+                                         "gradient() skipped (nonfinite='skip'), skipped so far:",
+                                         inc, output_stream=sys.stderr))
+                with tf.control_dependencies(deps):
+                    return [tf.zeros_like(flat_g[i]) for i in live]
+
+            kept = tf.cond(ok, run, skip)
+        out = [None] * len(flat_g)
+        for i, t in zip(live, kept):
+            out[i] = t
+        return out
+
+    @property
+    def skipped_steps(self) -> int:
+        """``gradient()`` calls skipped so far for a NaN/Inf gradient (``nonfinite="skip"``), the
+        same count on every rank; 0 before the first call."""
+        if self.exchanger is None or id(self.exchanger) not in _TAPE_SKIPPED:
+            return 0
+        return int(_TAPE_SKIPPED[id(self.exchanger)].numpy())
 
     def hgsgc_state(self) -> dict:
         """The state tree of this tape's exchanger (as ``DistributedOptimizer.hgsgc_state()``,
-        without delay keys); ``{}`` before the first ``gradient()`` call."""
-        return self.exchanger.state_dict() if self.exchanger is not None else {}
+        without delay keys; ``skipped_steps`` (int) is :attr:`skipped_steps`); ``{}`` before the
+        first ``gradient()`` call."""
+        if self.exchanger is None:
+            return {}
+        return {**self.exchanger.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_hgsgc_state(self, state: dict):
         """Restore :meth:`hgsgc_state` output (before the first ``gradient()`` call it is kept
@@ -465,7 +554,13 @@ class DistributedGradientTape:
         if self.exchanger is None:
             self._pending_state = dict(state)
         else:
-            self.exchanger.load_state_dict(state)
+            self._load_state(state)
+
+    def _load_state(self, state: dict):
+        self.exchanger.load_state_dict({k: v for k, v in state.items() if k != "skipped_steps"})
+        if "skipped_steps" in state:  # states saved before session 10 lack it
+            with tf.init_scope():
+                _tape_skipped_var(self.exchanger).assign(int(state["skipped_steps"]))
 
     def __getattr__(self, item):
         return getattr(self._tape, item)
