@@ -342,10 +342,15 @@ def _with_added_defaults(saved, current):
     return saved
 
 
-#: Compression settings that change how the payload is scheduled, never a value or the state:
+#: Compression settings that change how the payload is scheduled or coded on the wire, never a
+#: value or the state, so a run resumes with another value of them (not compared on resume):
 #: ``buckets`` (the allgather split into groups is bit for bit one fused payload,
-#: tests/test_buckets.py), so a run resumes with another value of them.
-SCHEDULE_ONLY_SETTINGS = ("buckets",)
+#: tests/test_buckets.py) and ``index_coding`` (fixed-width or Elias-Fano indices: lossless,
+#: stateless, training bit for bit the same, tests/test_index_coding.py; a checkpoint written
+#: with ``fixed``, the default until session 10, resumes under the default ``elias_fano``,
+#: tests/test_index_coding_default.py). Across the ranks of one job they must still agree
+#: (hgsgc.faults.check_same_signature compares every setting).
+SCHEDULE_ONLY_SETTINGS = ("buckets", "index_coding")
 
 
 #: identity entries added after checkpoints without them were written: not compared when the

@@ -98,7 +98,7 @@ class CompressionConfig:
     local_clip_norm: float = 0.0  # DGC local gradient clipping (global norm; 0 = off)
     dense_vectors: bool = False  # topk/sgc/dgc: biases and batch-norm parameters (rank < 2) averaged densely, as DGC
     buckets: int = 1  # topk/sgc/dgc with hierarchy allgather: allgathers per exchange, last layers first (overlap with the backward pass)
-    index_coding: str = "fixed"  # topk/sgc/dgc: payload indices fixed-width (ceil(log2 numel) bits) or elias_fano (~floor(log2(numel/k)) + 2 bits; lossless)
+    index_coding: Optional[str] = None  # topk/sgc/dgc: payload indices elias_fano (~floor(log2(numel/k)) + 2 bits; lossless) or fixed (ceil(log2 numel) bits); default: elias_fano for topk/sgc/dgc (and the Hourglass FC topk/sgc)
     powersgd_rank: int = 4  # PowerSGD rank r
     terngrad_clip_sigma: float = 2.5  # TernGrad gradient clipping at c standard deviations (0 = off)
 
@@ -290,11 +290,16 @@ def validate(cfg: Config) -> None:
     if c.buckets > 1 and (not sparse or c.hierarchy != "allgather"):
         bad("compression.buckets", c.buckets, "splits the flat allgather of top-k payloads: needs "
                                               "method topk, sgc or dgc with hierarchy=allgather")
-    if c.index_coding not in ("fixed", "elias_fano"):
-        bad("compression.index_coding", c.index_coding, "use fixed (default) or elias_fano")
-    if c.index_coding != "fixed" and not sparse:
+    if c.index_coding is not None and c.index_coding not in ("fixed", "elias_fano"):
+        bad("compression.index_coding", c.index_coding, "use elias_fano (default) or fixed")
+    if c.index_coding == "elias_fano" and not sparse and not fc_sparse:
         bad("compression.index_coding", c.index_coding, "codes the indices of top-k payloads: needs "
-                                                        "method topk, sgc or dgc (or index_coding=fixed)")
+                                                        "method topk, sgc or dgc (or index_coding=fixed, "
+                                                        "or leave it out)")
+    if c.index_coding is None and (sparse or fc_sparse):  # the default, written out (run's config.yaml)
+        from hgsgc.compression import DEFAULT_INDEX_CODING
+
+        c.index_coding = DEFAULT_INDEX_CODING
     if c.dense_vectors and not sparse:
         bad("compression.dense_vectors", c.dense_vectors,
             "dense averaging of rank < 2 tensors is part of the sparse methods: use method topk, sgc or dgc, "
@@ -443,6 +448,25 @@ def resolved_bits(c: CompressionConfig, method: Optional[str] = None) -> int:
     if c.bits is not None:
         return c.bits
     return 2 if (method or c.method) == "sgc" else 32
+
+
+def resolved_index_coding(c: CompressionConfig) -> str:
+    """``compression.index_coding``, or the default of the sparse methods (topk, sgc, dgc and the
+    Hourglass FC topk / sgc): ``hgsgc.compression.DEFAULT_INDEX_CODING`` (``"elias_fano"``)."""
+    from hgsgc.compression import DEFAULT_INDEX_CODING
+
+    return c.index_coding or DEFAULT_INDEX_CODING
+
+
+def recorded_index_coding(recorded) -> str:
+    """The index coding a RECORDED run used, from its compression settings dict (a bench cell's or a
+    summary.json's ``compression``, a step profile's): its ``index_coding``; ``"fixed"`` when the
+    dict has none (or there is no dict): runs recorded before session 9 had no such setting and
+    ran fixed-width indices, the default until session 10 (every run since records it). Tools
+    that rebuild a committed cell's setting from its config (scripts/cluster/burst_adjust.py,
+    perfmodel_validation.py) must use this, not today's default."""
+    coding = recorded.get("index_coding") if isinstance(recorded, dict) else None
+    return coding or "fixed"
 
 
 def compression_from_config(c: CompressionConfig, method: Optional[str] = None, **overrides):

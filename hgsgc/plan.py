@@ -44,17 +44,19 @@ PLAN_FC_WORKERS = (1, 2, 3, 4)
 def plan_candidates(cfg) -> List[Tuple[str, object]]:
     """``(label, compression)`` pairs ``hgsgc plan`` ranks: the config's own setting, Horovod fp32
     and fp16, top-k, SGC (delay 1 and 4; allgather and tree), TernGrad, PowerSGD (rank 4) and
-    local SGD (4), with the config's density where it has one."""
+    local SGD (4), with the config's density where it has one and the config's
+    ``compression.index_coding`` (default elias_fano) for every sparse candidate."""
     from hgsgc.compression import Compression
-    from hgsgc.config import compression_from_config
+    from hgsgc.config import compression_from_config, resolved_index_coding
 
     dens = getattr(cfg.compression, "density", 0.005) or 0.005
     own = compression_from_config(cfg.compression)
+    ic = resolved_index_coding(cfg.compression)
     return [("config", own), ("fp32_allreduce", Compression.none), ("fp16_allreduce", Compression.fp16),
-            ("topk", Compression.topk(density=dens)),
-            ("sgc_d1", Compression.sgc(density=dens, delay=1)),
-            ("sgc_d4", Compression.sgc(density=dens, delay=4)),
-            ("sgc_d4_tree", Compression.sgc(density=dens, delay=4, hierarchy="tree")),
+            ("topk", Compression.topk(density=dens, index_coding=ic)),
+            ("sgc_d1", Compression.sgc(density=dens, delay=1, index_coding=ic)),
+            ("sgc_d4", Compression.sgc(density=dens, delay=4, index_coding=ic)),
+            ("sgc_d4_tree", Compression.sgc(density=dens, delay=4, hierarchy="tree", index_coding=ic)),
             ("terngrad", Compression.terngrad()), ("powersgd_r4", Compression.powersgd(rank=4)),
             ("localsgd_4", Compression.localsgd(4))]
 

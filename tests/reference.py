@@ -26,11 +26,31 @@ def quantize_2bit(v):
     return q, codes, (lo, hi)
 
 
-def payload_length(numel, k, bits):
+#: hgsgc's default index coding of a sparse setting (compression.index_coding; session 10)
+DEFAULT_CODING = "elias_fano"
+
+
+def ef_index_bytes(numel, k):
+    """Elias-Fano index section: l = the largest l with k 2^l <= numel (floor(log2(numel / k)),
+    found by doubling, no logs), ceil(k l / 8) low bytes + ceil((k + ((numel - 1) >> l)) / 8)
+    bytes of the unary high part (docs/compression.md)."""
+    low = 0
+    while k << (low + 1) <= numel:
+        low += 1
+    return math.ceil(k * low / 8) + math.ceil((k + ((numel - 1) >> low)) / 8)
+
+
+def payload_length(numel, k, bits, index_coding):
+    """Bytes of one sparse payload: [8 B scales] + index section + values (2-bit codes or fp32);
+    ``index_coding`` "fixed" (ceil(log2 numel) bits per index) or "elias_fano"."""
     if k == 0:
         return 0
-    w = max(1, math.ceil(math.log2(numel))) if numel > 1 else 1
-    idx = math.ceil(k * w / 8)
+    if index_coding == "fixed":
+        w = max(1, math.ceil(math.log2(numel))) if numel > 1 else 1
+        idx = math.ceil(k * w / 8)
+    else:
+        assert index_coding == "elias_fano", index_coding
+        idx = ef_index_bytes(numel, k)
     return 8 + idx + math.ceil(k / 4) if bits == 2 else idx + 4 * k
 
 

@@ -88,18 +88,22 @@ def test_pack_codes_round_trip_exact():
 @pytest.mark.parametrize("bits", [2, 32])
 @pytest.mark.parametrize("numel,k", [(1, 1), (2, 1), (9, 4), (1000, 5), (1 << 16, 300), ((1 << 16) + 1, 300), (1_605_632, 8029)])
 def test_payload_length_formula(numel, k, bits):
-    assert codec.payload_length(numel, k, bits) == ref.payload_length(numel, k, bits)
+    # the wire functions' own default is the fixed layout; settings default to elias_fano
+    assert codec.payload_length(numel, k, bits) == ref.payload_length(numel, k, bits, "fixed")
+    for coding in ("fixed", "elias_fano"):
+        assert codec.payload_length(numel, k, bits, coding) == ref.payload_length(numel, k, bits, coding)
 
 
+@pytest.mark.parametrize("coding", ["fixed", "elias_fano"])
 @pytest.mark.parametrize("bits", [2, 32])
-def test_codec_round_trip(bits):
+def test_codec_round_trip(bits, coding):
     rng = np.random.default_rng(bits)
     numel, k = 12345, 77
     x = rng.standard_normal(numel).astype(np.float32)
     idx = np.sort(rng.choice(numel, k, replace=False)).astype(np.int32)
-    payload, sent = codec.encode(tf.constant(idx), tf.constant(x[idx]), numel, bits)
-    assert payload.dtype == tf.uint8 and payload.shape == (ref.payload_length(numel, k, bits),)
-    didx, dvals = codec.decode(payload, numel, k, bits)
+    payload, sent = codec.encode(tf.constant(idx), tf.constant(x[idx]), numel, bits, coding)
+    assert payload.dtype == tf.uint8 and payload.shape == (ref.payload_length(numel, k, bits, coding),)
+    didx, dvals = codec.decode(payload, numel, k, bits, coding)
     np.testing.assert_array_equal(didx.numpy(), idx)
     expect = x[idx] if bits == 32 else ref.quantize_2bit(x[idx])[0]
     np.testing.assert_allclose(dvals.numpy(), expect, rtol=1e-6)
@@ -108,15 +112,15 @@ def test_codec_round_trip(bits):
 
 @settings(max_examples=40, deadline=None)
 @given(numel=st.integers(1, 5000), density=st.floats(1e-4, 1.0), bits=st.sampled_from([2, 32]),
-       seed=st.integers(0, 2**31 - 1))
-def test_codec_property_round_trip(numel, density, bits, seed):
+       seed=st.integers(0, 2**31 - 1), coding=st.sampled_from(["fixed", "elias_fano"]))
+def test_codec_property_round_trip(numel, density, bits, seed, coding):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(numel).astype(np.float32)
     k = num_selected(numel, density)
     idx, vals = exact_topk(tf.constant(x), k)
-    payload, sent = codec.encode(idx, vals, numel, bits)
-    assert int(payload.shape[0]) == ref.payload_length(numel, k, bits)
-    didx, dvals = codec.decode(payload, numel, k, bits)
+    payload, sent = codec.encode(idx, vals, numel, bits, coding)
+    assert int(payload.shape[0]) == ref.payload_length(numel, k, bits, coding)
+    didx, dvals = codec.decode(payload, numel, k, bits, coding)
     np.testing.assert_array_equal(didx.numpy(), ref.topk_indices(x, k))
     np.testing.assert_array_equal(dvals.numpy(), sent.numpy())
 

@@ -313,7 +313,7 @@ def _sparse_payload(shapes, density, bits):
     total = 0
     for s in shapes:
         numel = int(np.prod(s))
-        total += ref.payload_length(numel, ref.k_for(numel, density), bits)
+        total += ref.payload_length(numel, ref.k_for(numel, density), bits, ref.DEFAULT_CODING)
     return total
 
 

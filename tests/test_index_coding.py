@@ -1,4 +1,5 @@
-"""compression.index_coding: fixed-width vs Elias-Fano coded payload indices (opt-in).
+"""compression.index_coding: fixed-width vs Elias-Fano coded payload indices (elias_fano is the
+default of every sparse setting since session 10; fixed stays selectable).
 
 Checks against a numpy Elias-Fano coder written here (independent of hgsgc's): the index section
 bytes of the pure-TF reference (``wire.encode``) and of the C++ kernels (``sparse_encode``, the
@@ -95,7 +96,8 @@ def test_low_bits_and_lengths_follow_the_formula():
         assert wire.index_bytes(numel, k, EF) == want == len(np_ef_encode(idx, numel))
         assert wire.payload_length(numel, k, 2, EF) == 8 + want + math.ceil(k / 4)
         assert wire.payload_length(numel, k, 32, EF) == want + 4 * k
-        assert wire.payload_length(numel, k, 2) == ref.payload_length(numel, k, 2)  # fixed unchanged
+        assert wire.payload_length(numel, k, 2) == ref.payload_length(numel, k, 2, "fixed")  # fixed unchanged
+        assert wire.payload_length(numel, k, 2, EF) == ref.payload_length(numel, k, 2, EF)
     # alexnet_small's fc1 kernel (3136 x 512 = 1,605,632 entries) at density 0.005: k = 8029,
     # l = 7: ceil(8029 * 7 / 8) = 7026 low bytes + ceil((8029 + 12543) / 8) = 2572 high bytes
     assert ref.k_for(1_605_632, 0.005) == 8029 and wire.ef_low_bits(1_605_632, 8029) == 7
@@ -209,12 +211,16 @@ def test_fused_compress_kernels_equal_the_reference_and_select_the_same_entries(
 def test_setting_config_and_payload_bytes():
     shapes = [(40, 30), (17,), (3, 3, 2, 5), (90, 7), (1_758_400,)]
     s = Compression.sgc(0.005, index_coding=EF)
-    assert s.index_coding == EF and Compression.sgc(0.005).index_coding == "fixed"
+    fixed = Compression.sgc(0.005, index_coding="fixed")
+    assert s.index_coding == EF and fixed.index_coding == "fixed"
     assert Compression.topk(0.01, index_coding=EF).codec().index_coding == EF
     assert Compression.dgc(0.01, index_coding=EF).index_coding == EF
+    assert Compression.topk(0.01, index_coding="fixed").codec().index_coding == "fixed"
     want = sum(wire.payload_length(math.prod(sh), ref.k_for(math.prod(sh), 0.005), 2, EF) for sh in shapes)
     assert s.payload_bytes(shapes) == want
-    assert s.payload_bytes(shapes) < Compression.sgc(0.005).payload_bytes(shapes)
+    assert s.payload_bytes(shapes) < fixed.payload_bytes(shapes)
+    assert fixed.payload_bytes(shapes) == sum(
+        ref.payload_length(math.prod(sh), ref.k_for(math.prod(sh), 0.005), 2, "fixed") for sh in shapes)
     from hgsgc import perfmodel  # hgsgc plan / the performance model charge the same bytes
 
     assert perfmodel.traffic(s, shapes).collectives == (("allgather", want),)
@@ -223,8 +229,9 @@ def test_setting_config_and_payload_bytes():
         SparseCompression(0.01, index_coding="delta")
     cfg = load_config("configs/fashion_mnist_sgc.yaml", ["compression.index_coding=elias_fano"])
     assert compression_from_config(cfg.compression).index_coding == EF
-    assert compression_from_config(load_config("configs/fashion_mnist_sgc.yaml").compression).index_coding == "fixed"
-    with pytest.raises(ConfigError, match="compression.index_coding.*fixed.*elias_fano"):
+    cfg = load_config("configs/fashion_mnist_sgc.yaml", ["compression.index_coding=fixed"])
+    assert compression_from_config(cfg.compression).index_coding == "fixed"
+    with pytest.raises(ConfigError, match="compression.index_coding.*elias_fano.*fixed"):
         load_config("configs/fashion_mnist_sgc.yaml", ["compression.index_coding=delta"])
     with pytest.raises(ConfigError, match="compression.index_coding.*needs method topk, sgc or dgc"):
         load_config("configs/fashion_mnist_sgc.yaml", ["compression.method=none", "compression.delay=1",

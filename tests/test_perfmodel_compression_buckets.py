@@ -12,41 +12,45 @@ from hgsgc.compression.reducers import bucket_indices
 # 14-bit indices -> ceil(1400 / 8) + 4 * 100 = 575 B; (100,) and (10,): k = 1 -> 1 + 4 = 5 B
 SHAPES = [(100, 100), (100,), (1000, 10), (10,)]
 SIZES = [575, 5, 575, 5]
+# the sizes above and every figure below are worked out by hand for the fixed-width index coding,
+# pinned here (the default is elias_fano since session 10; its bytes: tests/test_index_coding.py)
+FIXED = "fixed"
 
 
 def test_bucket_payloads_by_hand():
-    assert [Compression.topk(0.01).codec().payload_length(n) for n in (10000, 100, 10000, 10)] == SIZES
-    assert pm.allgather_buckets(Compression.topk(0.01), SHAPES) == ()                 # B = 1
+    assert [Compression.topk(0.01, index_coding=FIXED).codec().payload_length(n) for n in (10000, 100, 10000, 10)] == SIZES
+    assert pm.allgather_buckets(Compression.topk(0.01, index_coding=FIXED), SHAPES) == ()                 # B = 1
     # B = 2: from the last tensor, 5 + 575 = 580 reaches half of 1160 -> (580, 580)
-    assert pm.allgather_buckets(Compression.topk(0.01, buckets=2), SHAPES) == (580, 580)
+    assert pm.allgather_buckets(Compression.topk(0.01, buckets=2, index_coding=FIXED), SHAPES) == (580, 580)
     # B = 3: 580 >= 1160 / 3 closes the first group, 585 < 2 * 1160 / 3 and the first tensor ends
     # the walk: 2 allgathers, not 3
-    assert pm.allgather_buckets(Compression.topk(0.01, buckets=3), SHAPES) == (580, 580)
+    assert pm.allgather_buckets(Compression.topk(0.01, buckets=3, index_coding=FIXED), SHAPES) == (580, 580)
     # B = 4: 580 >= 290, 585 >= 580, then the rest
-    assert pm.allgather_buckets(Compression.topk(0.01, buckets=4), SHAPES) == (580, 5, 575)
+    assert pm.allgather_buckets(Compression.topk(0.01, buckets=4, index_coding=FIXED), SHAPES) == (580, 5, 575)
     assert [sum(SIZES[i] for i in g) for g in bucket_indices(SIZES, 4)] == [580, 5, 575]
     # empty tensors pass through (not in any allgather); dense_vectors' rank < 2 tensors go to the ring
-    assert pm.allgather_buckets(Compression.topk(0.01, buckets=4), SHAPES + [(0,)]) == (580, 5, 575)
+    assert pm.allgather_buckets(Compression.topk(0.01, buckets=4, index_coding=FIXED), SHAPES + [(0,)]) == (580, 5, 575)
     for other in (Compression.none, Compression.fp16, Compression.powersgd(rank=4), Compression.terngrad(),
-                  Compression.sgc(0.01, hierarchy="tree")):
+                  Compression.sgc(0.01, hierarchy="tree", index_coding=FIXED)):
         assert pm.allgather_buckets(other, SHAPES) == ()
 
 
 def test_traffic_has_one_allgather_per_bucket_and_the_same_bytes():
-    one = pm.traffic(Compression.topk(0.01), SHAPES)
-    four = pm.traffic(Compression.topk(0.01, buckets=4), SHAPES)
+    one = pm.traffic(Compression.topk(0.01, index_coding=FIXED), SHAPES)
+    four = pm.traffic(Compression.topk(0.01, buckets=4, index_coding=FIXED), SHAPES)
     assert one.collectives == (("allgather", 1160),)
     assert four.collectives == (("allgather", 580), ("allgather", 5), ("allgather", 575))
     assert one.payload_bytes == four.payload_bytes == 1160
-    sgc = pm.traffic(Compression.sgc(0.01, delay=4, buckets=2), SHAPES)
+    sgc = pm.traffic(Compression.sgc(0.01, delay=4, buckets=2, index_coding=FIXED), SHAPES)
     assert sgc.delay == 4 and len(sgc.collectives) == 2 and sgc.payload_bytes == pm.traffic(
-        Compression.sgc(0.01, delay=4), SHAPES).payload_bytes
+        Compression.sgc(0.01, delay=4, index_coding=FIXED), SHAPES).payload_bytes
 
 
 def test_dense_vectors_ring_stays_first():
     from hgsgc.compression import SparseCompression
 
-    c = SparseCompression(density=0.01, bits=32, method="topk", dense_vectors=True, buckets=2)
+    c = SparseCompression(density=0.01, bits=32, method="topk", dense_vectors=True, buckets=2,
+                          index_coding=FIXED)
     # the vectors (100,), (10,) are averaged densely: one ring of 4 * 110 bytes, then the two
     # 575-byte matrices: 575 reaches half of 1150 at the last one -> (575, 575)
     assert pm.traffic(c, SHAPES).collectives == (("ring", 440), ("allgather", 575), ("allgather", 575))
@@ -64,8 +68,8 @@ def test_predict_step_charges_coordination_and_latency_per_bucket():
     w1160 = 2e-4 + 3480 / 5e5
     w580, w575 = 2e-4 + 1740 / 5e5, 2e-4 + 1725 / 5e5
     w5 = 5e-4 + 55 / 1e6
-    p1 = pm.predict_step(0.05, 0.004, pm.traffic(Compression.topk(0.01), SHAPES), 4, link, cycle_s=cyc)
-    p4 = pm.predict_step(0.05, 0.004, pm.traffic(Compression.topk(0.01, buckets=4), SHAPES), 4, link, cycle_s=cyc)
+    p1 = pm.predict_step(0.05, 0.004, pm.traffic(Compression.topk(0.01, index_coding=FIXED), SHAPES), 4, link, cycle_s=cyc)
+    p4 = pm.predict_step(0.05, 0.004, pm.traffic(Compression.topk(0.01, buckets=4, index_coding=FIXED), SHAPES), 4, link, cycle_s=cyc)
     assert p1["coordination_s"] == coord1
     assert p4["coordination_s"] == pytest.approx(3 * coord1, rel=1e-15)
     assert p1["wire_s"] == w1160
@@ -73,12 +77,12 @@ def test_predict_step_charges_coordination_and_latency_per_bucket():
     assert p4["compute_s"] == p1["compute_s"] == 0.05 and p4["compression_s"] == p1["compression_s"] == 0.004
     assert p4["step_s"] - p1["step_s"] == pytest.approx(2 * coord1 + (w580 + w5 + w575 - w1160), rel=1e-12)
     # B = 2 on 2 ranks (two_proc / ring by size): 2 collectives, 1 negotiation message each
-    p2 = pm.predict_step(0.0, 0.0, pm.traffic(Compression.topk(0.01, buckets=2), SHAPES), 2, link, cycle_s=cyc)
+    p2 = pm.predict_step(0.0, 0.0, pm.traffic(Compression.topk(0.01, buckets=2, index_coding=FIXED), SHAPES), 2, link, cycle_s=cyc)
     assert p2["coordination_s"] == pytest.approx(2 * (1e-3 + 1e-4), rel=1e-15)
     # 580 B on 2 ranks: Open MPI's ring (< 2048 B): 1 message, 580 B, pairwise (2 ranks)
     assert p2["wire_s"] == pytest.approx(2 * (1e-4 + 580 / 5e5), rel=1e-15)
     # delay 4 divides every term per step
-    p4d = pm.predict_step(0.0, 0.0, pm.traffic(Compression.sgc(0.01, bits=32, delay=4, buckets=4), SHAPES), 4,
+    p4d = pm.predict_step(0.0, 0.0, pm.traffic(Compression.sgc(0.01, bits=32, delay=4, buckets=4, index_coding=FIXED), SHAPES), 4,
                           link, cycle_s=cyc)
     assert p4d["coordination_s"] == pytest.approx(3 * coord1 / 4, rel=1e-15)
     assert p4d["wire_s"] == pytest.approx((w580 + w5 + w575) / 4, rel=1e-15)

@@ -162,26 +162,28 @@ def test_elias_fano_on_a_tensor_of_more_than_2_24_entries():
         assert np.flatnonzero(s).tolist() == want.tolist() and s[want].tolist() == [6.0, -10.0, 8.0]
 
 
-# ------------------------------------------------------------------ resume with another index coding
-def test_resume_with_another_index_coding_is_refused_naming_the_key(tmp_path):
-    """A checkpoint written with index_coding fixed, resumed with elias_fano (and the reverse), is
-    refused (hgsgc train, 2 ranks, by hand: 'CheckpointMismatch: ... compression: checkpoint
-    {13 keys}, this run {13 keys}' - the one key that differs was left to the reader to find).
-    The message now names it: 'compression differs in index_coding: "fixed" in the checkpoint,
-    "elias_fano" in this run'."""
+# ------------------------------------------------------------------ resume with another compression setting
+def test_resume_with_another_compression_setting_is_refused_naming_the_key(tmp_path):
+    """A checkpoint written with one compression setting, resumed with another, is refused
+    (hgsgc train, 2 ranks, by hand: 'CheckpointMismatch: ... compression: checkpoint {13 keys},
+    this run {13 keys}' - the one key that differs was left to the reader to find). The message
+    now names it: 'compression differs in density: 0.01 in the checkpoint, 0.02 in this run'.
+    (Found with index_coding fixed -> elias_fano; since session 10 the coding, lossless and
+    stateless, is one of checkpoint.SCHEDULE_ONLY_SETTINGS and such a resume is allowed:
+    tests/test_index_coding_default.py.)"""
     import numpy as np
 
     from hgsgc import checkpoint as ckpt
     from hgsgc.compression import Compression
 
-    for saved, now in (("fixed", "elias_fano"), ("elias_fano", "fixed")):
-        d = str(tmp_path / saved)
-        run = {"world_size": 2, "model": "tiny", "compression": Compression.dgc(0.01, index_coding=saved).to_dict()}
+    for saved, now in ((0.01, 0.02), (0.02, 0.01)):
+        d = str(tmp_path / str(saved))
+        run = {"world_size": 2, "model": "tiny", "compression": Compression.dgc(saved).to_dict()}
         ckpt.save(d, 3, {"w": np.zeros(3)}, run)
-        other = dict(run, compression=Compression.dgc(0.01, index_coding=now).to_dict())
+        other = dict(run, compression=Compression.dgc(now).to_dict())
         with pytest.raises(ckpt.CheckpointMismatch) as ei:
             ckpt.resolve(d, "auto", other)
         msg = str(ei.value)
-        assert f'compression differs in index_coding: "{saved}" in the checkpoint, "{now}" in this run' in msg, msg
+        assert f'compression differs in density: {saved} in the checkpoint, {now} in this run' in msg, msg
         assert "compression: checkpoint {" in msg  # the whole settings still follow
         assert ckpt.resolve(d, "auto", run)[0] == ckpt.step_dir(d, 3)

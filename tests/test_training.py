@@ -48,7 +48,8 @@ def test_summary_bytes_equal_formula(run_dir):
     shapes = [(3, 3, 1, 32), (32,), (3, 3, 32, 64), (64,), (3136, 512), (512,), (512, 256), (256,),
               (256, 10), (10,)]
     d = sum(int(np.prod(x)) for x in shapes)
-    P = sum(ref.payload_length(int(np.prod(x)), ref.k_for(int(np.prod(x)), 0.01), 2) for x in shapes)
+    P = sum(ref.payload_length(int(np.prod(x)), ref.k_for(int(np.prod(x)), 0.01), 2, ref.DEFAULT_CODING)
+            for x in shapes)  # the default coding (no compression.index_coding in the config)
     steps, n = s["steps"], s["world_size"]
     # delay 2: a sync every 2nd step plus the pending one flushed before evaluation
     assert n == 2 and steps == 8000 // (2 * 32) == 125 and s["exchanges"] == 63

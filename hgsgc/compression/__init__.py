@@ -22,6 +22,11 @@ from typing import Optional
 
 HIERARCHIES = ("allgather", "tree", "node")
 SELECTORS = ("exact", "sampled")
+#: The index coding of a sparse setting that names none (``compression.index_coding`` of method
+#: topk / sgc / dgc, :class:`SparseCompression`, ``Compression.topk/sgc/dgc``, ``TopKCodec``):
+#: ``"elias_fano"``, lossless and about half the index bytes of ``"fixed"`` (the default until
+#: session 10). Values and layouts: :mod:`hgsgc.compression.wire` (re-exported there).
+DEFAULT_INDEX_CODING = "elias_fano"
 
 
 @dataclass(frozen=True)
@@ -129,12 +134,15 @@ class SparseCompression:
             run the first exchanges while earlier layers' gradients are still computed. Top-k,
             error feedback and the averages are per tensor, so they are the same bit for bit
             for every B; only the number of collectives (``messages``) changes.
-        index_coding: how each payload's ascending indices are coded: ``"fixed"`` (default,
-            ``ceil(log2 numel)`` bits each) or ``"elias_fano"`` (Elias 1974 / Fano 1971 /
-            Vigna 2013: ``floor(log2(numel / k))`` low bits each plus a unary high part, about
-            ``k (l + 2)`` bits; layout and exact length in :mod:`hgsgc.compression.wire`). Both
+        index_coding: how each payload's ascending indices are coded: ``"elias_fano"``
+            (default since session 10, :data:`DEFAULT_INDEX_CODING`;
+            Elias 1974 / Fano 1971 / Vigna 2013: ``l = floor(log2(numel / k))`` low bits each
+            plus a unary high part, ``ceil(k l / 8) + ceil((k + ((numel - 1) >> l)) / 8)``
+            bytes, about ``k (l + 2) / 8``) or ``"fixed"`` (``ceil(log2 numel)`` bits each, the
+            default before; layout and exact lengths in :mod:`hgsgc.compression.wire`). Both
             are lossless and of a length fixed by ``(numel, k)``, so training is bit for bit the
-            same; only the payload (and ``bytes_sent``) shrinks. Every hierarchy supports it.
+            same (a checkpoint of either coding resumes under the other); only the payload (and
+            ``bytes_sent``) shrinks. Every hierarchy supports it.
     """
 
     density: float
@@ -149,7 +157,7 @@ class SparseCompression:
     dense_vectors: bool = False
     momentum_masking: bool = True
     buckets: int = 1
-    index_coding: str = "fixed"
+    index_coding: str = DEFAULT_INDEX_CODING
 
     def __post_init__(self):
         if isinstance(self.density, (str, bytes, bool)):
@@ -419,7 +427,7 @@ class Compression:
     def topk(density: float, bits: int = 32, selector: str = "exact",
              error_feedback: bool = True, hierarchy: str = "allgather",
              momentum_correction: bool = False, momentum_masking: bool = True,
-             buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
+             buckets: int = 1, index_coding: str = DEFAULT_INDEX_CODING) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=1, selector=selector,
                                  error_feedback=error_feedback, method="topk",
                                  hierarchy=hierarchy, momentum_correction=momentum_correction,
@@ -430,7 +438,7 @@ class Compression:
     def sgc(density: float, bits: int = 2, delay: int = 1, hierarchy: str = "allgather",
             selector: str = "sampled", error_feedback: bool = True,
             momentum_correction: bool = False, momentum_masking: bool = True,
-            buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
+            buckets: int = 1, index_coding: str = DEFAULT_INDEX_CODING) -> SparseCompression:
         return SparseCompression(density=density, bits=bits, delay=delay, hierarchy=hierarchy,
                                  selector=selector, error_feedback=error_feedback, method="sgc",
                                  momentum_correction=momentum_correction, momentum_masking=momentum_masking,
@@ -443,7 +451,7 @@ class Compression:
     @staticmethod
     def dgc(density: float, local_clip_norm: Optional[float] = None, selector: str = "sampled",
             hierarchy: str = "allgather", momentum_masking: bool = True,
-            buckets: int = 1, index_coding: str = "fixed") -> SparseCompression:
+            buckets: int = 1, index_coding: str = DEFAULT_INDEX_CODING) -> SparseCompression:
         return SparseCompression(density=density, bits=32, delay=1, selector=selector,
                                  method="dgc", hierarchy=hierarchy, momentum_correction=True,
                                  local_clip_norm=local_clip_norm, momentum_masking=momentum_masking,
@@ -517,7 +525,7 @@ def _sparse_from_config(method):
             momentum_correction=c.momentum_correction or method == "dgc",
             local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors),
             momentum_masking=bool(c.momentum_masking), buckets=getattr(c, "buckets", 1),
-            index_coding=getattr(c, "index_coding", "fixed"))
+            index_coding=getattr(c, "index_coding", None) or DEFAULT_INDEX_CODING)
     return build
 
 

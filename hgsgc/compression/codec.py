@@ -10,8 +10,9 @@ import tensorflow as tf
 from hgsgc import ops
 from hgsgc.compression import kernels
 # the wire format lives in .wire (imported by the kernels' references too); names kept here
-from hgsgc.compression.wire import (SUPPORTED_BITS, _bytes_to_f32, _f32_to_bytes,  # noqa: F401
-                                    decode, encode, index_width, payload_length)
+from hgsgc.compression.wire import (DEFAULT_INDEX_CODING, SUPPORTED_BITS,  # noqa: F401
+                                    _bytes_to_f32, _f32_to_bytes, decode, encode, index_width,
+                                    payload_length)
 
 
 def exchange_payload_bytes(compression, shapes) -> int:
@@ -38,11 +39,13 @@ class TopKCodec:
         bits: 2 (2-bit codes + [lo, hi] scales) or 32 (fp32 values).
         selector: ``"exact"`` top-k or ``"sampled"`` threshold (seeded by the exchange's
             random-number step: ``[step mod 2^30, 1013]``); both select the same entries.
-        index_coding: ``"fixed"`` (``ceil(log2 numel)`` bits per index) or ``"elias_fano"``
-            (:mod:`.wire`); lossless either way, only the payload length differs.
+        index_coding: ``"elias_fano"`` (default, :data:`.wire.DEFAULT_INDEX_CODING`) or
+            ``"fixed"`` (``ceil(log2 numel)`` bits per index) (:mod:`.wire`); lossless either
+            way, only the payload length differs.
     """
 
-    def __init__(self, density: float, bits: int, selector: str = "exact", index_coding: str = "fixed"):
+    def __init__(self, density: float, bits: int, selector: str = "exact",
+                 index_coding: str = DEFAULT_INDEX_CODING):
         from hgsgc.compression.wire import check_index_coding
 
         self.density, self.bits, self.selector = density, bits, selector

@@ -12,8 +12,10 @@ So ``payload_length = ceil(k w / 8) + (8 + ceil(k / 4) if bits == 2 else 4 k)``;
 the DESIGN.md figure with int32 indices is ``4k + k/4 + scales``: fixed-width packing saves
 ``(32 - w) k / 8`` bytes. Indices travel sorted ascending.
 
-Index coding (``compression.index_coding``): ``"fixed"`` (default, above) or ``"elias_fano"``,
-the Elias-Fano code of the ascending index sequence (P. Elias, "Efficient storage and retrieval
+Index coding (``compression.index_coding``): ``"fixed"`` (above) or ``"elias_fano"`` (the default
+of every setting: :data:`DEFAULT_INDEX_CODING`; the functions of this module and of
+:mod:`hgsgc.compression.kernels` take the coding as an argument whose default stays ``"fixed"``,
+the layout above), the Elias-Fano code of the ascending index sequence (P. Elias, "Efficient storage and retrieval
 by content and address of static files", J. ACM 1974; R. Fano, "On the number of bits required
 to implement an associative memory", MIT Project MAC memo 61, 1971; S. Vigna, "Quasi-succinct
 indices", WSDM 2013). Its length depends on ``(numel, k)`` only, so payloads keep a length known
@@ -40,7 +42,7 @@ import math
 import tensorflow as tf
 
 from hgsgc import ops
-from hgsgc.compression import quantize
+from hgsgc.compression import DEFAULT_INDEX_CODING, quantize  # noqa: F401 (re-exported)
 
 SUPPORTED_BITS = (2, 32)
 #: Accepted values of ``compression.index_coding`` (module docstring).
@@ -56,7 +58,7 @@ def check_index_coding(index_coding: str) -> str:
     """``index_coding`` if it is one of :data:`INDEX_CODINGS`, else ValueError naming the fix."""
     if index_coding not in INDEX_CODINGS:
         raise ValueError(f"compression.index_coding must be one of {INDEX_CODINGS} (default "
-                         f"'fixed'), got {index_coding!r}")
+                         f"{DEFAULT_INDEX_CODING!r}), got {index_coding!r}")
     return index_coding
 
 

@@ -172,7 +172,7 @@ def cell_exchanges(cell, shapes_of):
     import dataclasses
 
     from hgsgc import perfmodel as pm
-    from hgsgc.config import compression_from_config, load_config
+    from hgsgc.config import compression_from_config, load_config, recorded_index_coding
     from hgsgc.loop import density_schedule
     from hgsgc.plan import build_plan_model
 
@@ -183,6 +183,9 @@ def cell_exchanges(cell, shapes_of):
     rec = {k: v for k, v in (cell.get("compression") or {}).items() if k in fields and k != "method"}
     if "rank" in (cell.get("compression") or {}):
         rec["powersgd_rank"] = cell["compression"]["rank"]
+    # a cell recorded without an index coding ran fixed-width indices (the default until session
+    # 10), not today's default
+    rec["index_coding"] = recorded_index_coding(cell.get("compression"))
     cfg = dataclasses.replace(cfg, compression=dataclasses.replace(cfg.compression, **rec))
     key = (cfg.model.name, cfg.model.width, cfg.data.format, cfg.task if hasattr(cfg, "task") else None)
     if key not in shapes_of:

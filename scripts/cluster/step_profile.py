@@ -241,6 +241,7 @@ def main(argv=None):
     P = codec.exchange_payload_bytes(comp, shapes) if sparse else 2 * sum(int(np.prod(s)) for s in shapes)
     res.update({"world_size": n, "method": args.method, "delay": args.delay, "density": args.density,
                 "compression": comp.to_dict() if hasattr(comp, "to_dict") else str(comp),
+                "index_coding": getattr(comp, "index_coding", None),  # sparse: the library default
                 "payload_bytes": P, "model": args.model, "batch": args.batch, "pin": args.pin,
                 "tf_threads": args.threads, "inter_op_threads": args.inter_op, "label": args.label, "bandwidth": args.bandwidth,
                 "env": {k: v for k, v in os.environ.items()

@@ -1,6 +1,7 @@
 """The last rank passes another compression than the others (a user's rank-dependent setting):
 argv[1] is the entry point (``optimizer`` or ``tape``), argv[2] the field that differs
-(``index_coding`` or ``density``). The first step must stop every rank with one error naming the
+(``index_coding`` or ``density``; ``index_coding_default``: the other ranks leave index_coding out,
+the default elias_fano, the last passes fixed). The first step must stop every rank with one error naming the
 setting and both values, never a hang, never an internal decode error or a silently wrong average."""
 import sys
 
@@ -18,7 +19,11 @@ def body():
     hvd.init()
     last = hvd.rank() == hvd.size() - 1
     kw = {"density": 0.5, "bits": 32, "index_coding": "fixed"}
-    if last:
+    if FIELD == "index_coding_default":
+        del kw["index_coding"]
+        if last:
+            kw["index_coding"] = "fixed"
+    elif last:
         kw.update({"index_coding": "elias_fano"} if FIELD == "index_coding" else {"density": 0.25})
     comp = hgsgc.Compression.topk(**kw)
     tf.keras.utils.set_random_seed(1)

@@ -44,7 +44,8 @@ def spread(arrays):
 # 1. fp32 values, exact top-k, error feedback, 3 exchanges: every rank's output equals the numpy
 #    average of what every rank sent (float32, summed in rank order), and the residuals too
 D, STEPS = 0.05, (21, 22, 23)
-sizes = [ref.payload_length(int(np.prod(SHAPES[i])), ref.k_for(int(np.prod(SHAPES[i])), D), 32) for i in full]
+sizes = [ref.payload_length(int(np.prod(SHAPES[i])), ref.k_for(int(np.prod(SHAPES[i])), D), 32,
+                            ref.DEFAULT_CODING) for i in full]
 P = sum(sizes)
 for buckets in (1, 3, 7):
     ex = Exchanger(hgsgc.Compression.topk(D, bits=32, selector="exact", buckets=buckets))

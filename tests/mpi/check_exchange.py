@@ -49,7 +49,8 @@ for bits in (2, 32):
             res[f"support_equal_bits{bits}"] = False
     res[f"allgather_max_err_bits{bits}"] = max(errs)
     st = ex.stats.snapshot()
-    P = sum(ref.payload_length(int(np.prod(s)), ref.k_for(int(np.prod(s)), density), bits) for s in SHAPES)
+    P = sum(ref.payload_length(int(np.prod(s)), ref.k_for(int(np.prod(s)), density), bits,
+                                 ref.DEFAULT_CODING) for s in SHAPES)  # Compression.sgc's default coding
     d = sum(int(np.prod(s)) for s in SHAPES)
     res[f"bytes_bits{bits}"] = st
     res[f"bytes_formula_bits{bits}"] = {"payload_bytes": P, "bytes_sent": (n - 1) * P,
