@@ -53,7 +53,9 @@ def worker(args):
     names = [f"t{i}" for i in range(len(NUMEL))]
     configs = [("allgather", 2), ("tree", 2), ("node", 2), ("allgather", 32), ("tree", 32),
                ("node", 32)]
-    exs = [Exchanger(hgsgc.Compression.sgc(DENSITY, bits=b, hierarchy=h)) for h, b in configs]
+    # fixed-width indices, pinned: docs/benchmarks/hierarchy.md was measured with them (the default
+    # until session 10, now elias_fano: smaller payloads, the same averages)
+    exs = [Exchanger(hgsgc.Compression.sgc(DENSITY, bits=b, hierarchy=h, index_coding="fixed")) for h, b in configs]
 
     @tf.function
     def step(xs):
