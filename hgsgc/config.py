@@ -296,7 +296,7 @@ def validate(cfg: Config) -> None:
         bad("compression.index_coding", c.index_coding, "codes the indices of top-k payloads: needs "
                                                         "method topk, sgc or dgc (or index_coding=fixed, "
                                                         "or leave it out)")
-    if c.index_coding is None and (sparse or fc_sparse):  # the default, written out (run's config.yaml)
+    if c.index_coding is None and (sparse or fc_sparse):  # the default, written out (the run's config.json)
         from hgsgc.compression import DEFAULT_INDEX_CODING
 
         c.index_coding = DEFAULT_INDEX_CODING
