@@ -165,6 +165,8 @@ def test_yaml_errors_are_one_config_error_line(tmp_path, text, needle):
     (2, "train.lr=0.5", "train.lr: 0.05 on rank 0, 0.5 on rank 1"),
     # a different density ended in a TensorFlow graph error (a Reshape of the payloads) on every rank
     (3, "compression.density=0.02", "compression.density: 0.005 on ranks 0,2, 0.02 on rank 1"),
+    # the index coding: the default (elias_fano, written out) on two ranks, fixed on one
+    (3, "compression.index_coding=fixed", 'compression.index_coding: "elias_fano" on ranks 0,2, "fixed" on rank 1'),
 ])
 def test_config_that_differs_between_ranks_is_one_config_error(np_, override, needle, tmp_path):
     from conftest import mpirun
