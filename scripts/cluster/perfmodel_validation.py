@@ -49,6 +49,16 @@ Session 9's grid cells on 2 and 8 hosts (docs/benchmarks.md, "The grid on 2 and 
         --bench docs/benchmarks/ptb_2h.json=$Q docs/benchmarks/vgg16_2h.json=$Q docs/benchmarks/ptb_8h.json=$Q \
         --md docs/benchmarks/perfmodel_validation_grid_s9.md --json docs/benchmarks/perfmodel_validation_grid_s9.json
 
+Session 10 (pm10): the quiet 2-host cells of sessions 9 and 10, before (the unpinned probe of
+session 8) and after (the pinned probe, as the cells ran; docs/benchmarks.md "Session 10")::
+
+    B=docs/benchmarks; Q=$B/link_calibration_quiet.json; P=$B/link_calibration_pinned_s10.json
+    CELLS="clean_2h_s9_quiet clean_2h_buckets_s9_r1 clean_2h_buckets_s9_r2 clean_2h_buckets_s9_r3 vgg16_2h_s10 ptb_2h_s10"
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$Q; done) \
+        --json $B/perfmodel_validation_s10_before.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$P; done) \
+        --before $B/perfmodel_validation_s10_before.json --md $B/perfmodel_validation_s10.md --json $B/perfmodel_validation_s10.json
+
 (the cells of sessions 4 and 7, on a quiet machine with a core per rank, use the quiet
 calibration; the older rows keep the calibration they were predicted with, taken with both ranks
 on one core. Left out as disturbed by another job (docs/benchmarks/step_profile.md and
