@@ -102,7 +102,7 @@ def test_bench_cell_is_predicted_at_the_probed_rate_exactly(tmp_path):
     assert p["wire_s"] == pytest.approx(wire, rel=1e-12)
     assert p["step_s"] == pytest.approx(0.0132 + coord + wire, rel=1e-12)
     assert row["error"] == pytest.approx(p["step_s"] / 0.1 - 1, rel=1e-12)
-    assert row["calibration_pinned"] is True and "pinned probe" in row["settings"]
+    assert row["calibration_pinned"] is True and row["settings"].endswith(", pinned probe 300 Mbit/s")
     # the nominal rate (the framing efficiency only, as hgsgc plan charges a real 1 Gbit/s link)
     # would predict far less wire: the probe's 300 Mbit/s is what the emulated link carries
     nominal = pm.link_for("1gbit", bidir_factor=1.0)

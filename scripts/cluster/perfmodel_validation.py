@@ -283,7 +283,7 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
                      "settings": ("put removed" if tuned else "Open MPI defaults (put)") + f", compute {basis}"
                      + ("" if cal.get("pinned") is None else
                         f", {'pinned' if cal['pinned'] else 'unpinned'} probe"
-                        f" {8e-6 * cal['efficiency'] * pm.parse_rate(rate):.0f} Mbit/s"),
+                        f" {1e-6 * cal['efficiency'] * pm.parse_rate(rate):.0f} Mbit/s"),
                      "calibration_pinned": cal.get("pinned"),
                      "load": [cell.get("load_before", [0])[0] if isinstance(cell.get("load_before"), list)
                               else cell.get("load_before", 0),
