@@ -464,11 +464,13 @@ def densify(grads, variables):
     return out
 
 
-def check_same_signature(names, tensors, process_set=None, what="gradient", settings=None):
+def check_same_signature(names, tensors, process_set=None, what="gradient", settings=None, guard=None):
     """Collective (once, eagerly, at trace time): every rank passes the same names, shapes and
     dtypes (and the same compression ``settings``, a JSON-like dict such as
-    ``Compression.to_dict()``); otherwise every rank raises the same error naming the setting or
-    the variable and both values.
+    ``Compression.to_dict()``, and the same ``guard``, e.g. ``{"nonfinite": "skip"}``: the
+    non-finite guard adds a collective, so ranks that disagree on it would wait for each other in
+    Horovod forever); otherwise every rank raises the same error naming the setting or the variable
+    and both values.
 
     Without it, a shape that differs across ranks reaches the sparse allgather (whose rows may
     differ in length) and gives wrong averages or a hang, or Horovod's error names only its
@@ -478,8 +480,9 @@ def check_same_signature(names, tensors, process_set=None, what="gradient", sett
 
     Raises:
         ValueError: naming the first setting that differs (``compression differs between ranks:
-            KEY V0 on rank 0 but V1 on rank R``), else the first variable that differs, the ranks
-            and both shapes/dtypes.
+            KEY V0 on rank 0 but V1 on rank R``; ``KEY differs between ranks: V0 on rank 0 but V1
+            on rank R`` for a ``guard`` key), else the first variable that differs, the ranks and
+            both shapes/dtypes.
     """
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -493,9 +496,15 @@ def check_same_signature(names, tensors, process_set=None, what="gradient", sett
             return
         from horovod.tensorflow.functions import allgather_object
 
-        allsigs = allgather_object((sig, settings), process_set=ps)
-    allsets = [st for _, st in allsigs]
-    allsigs = [sg for sg, _ in allsigs]
+        allsigs = allgather_object((sig, settings, guard), process_set=ps)
+    allguards = [gd or {} for _, _, gd in allsigs]
+    allsets = [st for _, st, _ in allsigs]
+    allsigs = [sg for sg, _, _ in allsigs]
+    for r, gd in enumerate(allguards[1:], start=1):
+        for k in sorted(set(allguards[0]) | set(gd)):
+            if allguards[0].get(k) != gd.get(k):
+                raise ValueError(f"{k} differs between ranks: {allguards[0].get(k)!r} on rank 0 but "
+                                 f"{gd.get(k)!r} on rank {r}: pass the same {k} mode on every rank")
     for r, st in enumerate(allsets[1:], start=1):
         if st != allsets[0]:
             a, b = allsets[0] or {}, st or {}

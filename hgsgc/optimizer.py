@@ -135,12 +135,13 @@ class _HgsgcOptimizerMixin:
         from hgsgc import faults
 
         grads = faults.densify(grads, variables)
+        mode = self._hgsgc_nonfinite
         key = tuple(names)
         if key not in self._hgsgc_checked:
             faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set,
-                                        settings=_settings(self._hgsgc_compression))
+                                        settings=_settings(self._hgsgc_compression),
+                                        guard={"nonfinite": mode})
             self._hgsgc_checked.add(key)
-        mode = self._hgsgc_nonfinite
         if exchange_fn is not None:
             grads = exchange_fn(grads)
         if mode == "off":
@@ -420,7 +421,8 @@ class DistributedGradientTape:
     process set's first rank and :attr:`skipped_steps` counts it). A compressed exchange costs one
     4-byte ``allreduce(op=Min)`` of the local verdict per call; a dense exchange without state
     (``Compression.none`` / ``fp16``) is checked on the average, which carries any rank's NaN/Inf,
-    with no extra collective. Zero gradients change nothing under plain SGD, but an optimizer with
+    with no extra collective: that allreduce has run when the call is skipped, so its bytes are
+    counted (the byte counters and ``rng_step`` include the skipped call; nothing else changes). Zero gradients change nothing under plain SGD, but an optimizer with
     momentum or Adam still advances its own slots: for an exact skip of the whole step use
     :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``.
 
@@ -481,7 +483,8 @@ class DistributedGradientTape:
         key = (id(self.exchanger), tuple(names))
         if key not in _TAPE_CHECKED:  # once per model, as the optimizer does (a collective)
             faults.check_same_signature(names, flat_g, self._process_set,
-                                        settings=dict(_settings(self._comp), momentum=self._momentum))
+                                        settings=dict(_settings(self._comp), momentum=self._momentum),
+                                        guard={"nonfinite": self._nonfinite})
             _TAPE_CHECKED.add(key)
         if self._nonfinite == "off":
             avg = self.exchanger.exchange(flat_g, names)
