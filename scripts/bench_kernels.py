@@ -30,6 +30,7 @@ Usage: python scripts/bench_kernels.py [--sizes 100000 1000000 6500000 25600000]
        [--densities 0.01 0.001] [--ranks 1 4 16] [--bits 2] [--repeats 5] [--json out.json]
 """
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -216,10 +217,21 @@ def main(argv=None):
     p.add_argument("--model-rounds", type=int, default=4)
     p.add_argument("--model-only", action="store_true", help="only the Fashion-MNIST step")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-accumulate table")
+    p.add_argument("--phases", nargs="+", metavar="CONFIG",
+                   help="only the per-phase table of one exchange on these configs' model gradients")
+    p.add_argument("--exchange-only", action="store_true",
+                   help="with --phases: only the whole-exchange rows (SGC, top-k, fp16)")
+    p.add_argument("--index-codings", nargs="+", default=["fixed"], choices=["fixed", "elias_fano"])
     p.add_argument("--json", help="write all rows here")
     args = p.parse_args(argv)
 
     ops.load()  # the kernels must be built
+    if args.phases:
+        rows = bench_phases(args.phases, args.repeats, args.index_codings, args.exchange_only)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"phases": rows, "host": platform.node(), "cores": os.cpu_count()}, f, indent=1)
+        return
     bw = copy_bandwidth(args.copy_mb)
     print(f"hgsgc fused kernels vs reference path; TensorFlow {tf.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} cores, intra-op threads "
@@ -362,6 +374,134 @@ def bench_model(repeats, steps=60, rounds=2):
         la = "; ".join(loads[i::len(MODEL_RUNS)])
         print(f"| {label} | {res[label]:.1f} | {res[label] / res['fp16']:.2f}x | {la} |")
     return {"step_ms": res, "all_s": times, "loadavg": loads, "steps": steps, "rounds": rounds}
+
+
+# ------------------------------------------------------------------------------------------------
+# --phases: where one SGC exchange's compression compute goes, per phase, vs top-k (session 10).
+
+def model_gradients(config, seed=0):
+    """(names, float32 gradient tensors shaped like the trainable variables, momentum) of the
+    model of training config ``config`` (``hgsgc.tasks.make_task(cfg).build_model()``), filled
+    with seeded N(0, 1e-3^2) entries; momentum = ``train.momentum``."""
+    from hgsgc import config as config_mod
+    from hgsgc.tasks import make_task
+
+    cfg = config_mod.load_config(config, [])
+    model = make_task(cfg).build_model()
+    rng = np.random.default_rng(seed)
+    grads = [tf.constant((1e-3 * rng.standard_normal(v.shape)).astype(np.float32))
+             for v in model.trainable_variables]
+    names = [f"t{i}" for i in range(len(grads))]
+    return cfg, names, grads
+
+
+def phase_functions(cfg, names, grads, index_coding, exchange_only=False):
+    """{phase: tf.function() over every tensor of one exchange} for ``cfg``'s SGC setting and its
+    top-k twin (method topk at the same density: 32-bit values, error feedback, no momentum
+    correction), plus the whole exchange (``Exchanger.exchange``, world size 1) of SGC, top-k
+    and fp16. Every function returns a float32 scalar (the outputs reduced), so nothing is
+    pruned."""
+    from hgsgc import config as config_mod
+    from hgsgc.communicator import Exchanger
+    from hgsgc.compression import DenseCompression
+    from hgsgc.compression.sparsify import exact_topk
+
+    c = cfg.compression
+    sgc = config_mod.compression_from_config(c)
+    sgc = dataclasses.replace(sgc, index_coding=index_coding)
+    topk = dataclasses.replace(sgc, method="topk", bits=32, momentum_correction=False)
+    m = float(cfg.train.momentum)
+    flat = [tf.reshape(g, [-1]) for g in grads]
+    numels = [int(f.shape[0]) for f in flat]
+    ks = [num_selected(n, sgc.density) for n in numels]
+    seed = tf.constant(3, tf.int64)
+    vel = [tf.Variable(tf.reshape(tf.random.stateless_normal([n], [1, i]) * 1e-3, [-1]))
+           for i, n in enumerate(numels)]
+    res = {b: [tf.Variable(tf.zeros([n])) for n in numels] for b in (2, 32)}
+    scal = lambda xs: tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in xs])  # noqa: E731
+    # inputs of the later phases, computed once
+    us = [m * v + f for v, f in zip(vel, flat)]
+    sel = [kernels.topk_select(u, k, seed=seed, backend="custom") for u, k in zip(us, ks)]
+    pay = {b: [kernels.compress(u, None, k, b, seed=seed, backend="custom", index_coding=index_coding)[0]
+               for u, k in zip(us, ks)] for b in (2, 32)}
+    fns = {}
+
+    def fn(name, body):
+        if exchange_only and not name.startswith("whole exchange"):
+            return
+        fns[name] = tf.function(body)
+
+    fn("momentum u = m v + g (TF ops)", lambda: scal([m * v + f for v, f in zip(vel, flat)]))
+    if hasattr(kernels, "momentum_accumulate"):
+        fn("momentum u = m v + g (kernel)", lambda: scal(
+            [kernels.momentum_accumulate(v, f, m) for v, f in zip(vel, flat)]))
+    fn("select: sampled threshold (kernel)",
+       lambda: scal([kernels.topk_select(u, k, seed=seed, backend="custom")[1] for u, k in zip(us, ks)]))
+    fn("select: exact top-k (tf.math.top_k)", lambda: scal([exact_topk(u, k)[1] for u, k in zip(us, ks)]))
+    for b in (2, 32):
+        fn(f"encode {b}-bit (quantize + pack, kernel)", lambda b=b: scal(
+            [kernels.sparse_encode(i, v, n, b, backend="custom", index_coding=index_coding)[0]
+             for (i, v), n in zip(sel, numels)]))
+        fn(f"select+encode {b}-bit (kernel, no residual)", lambda b=b: scal(
+            [kernels.compress(u, None, k, b, seed=seed, backend="custom", index_coding=index_coding)[0]
+             for u, k in zip(us, ks)]))
+        fn(f"compress_into {b}-bit (compensate+select+encode+residual)", lambda b=b: scal(
+            [kernels.compress_into(u, r, k, b, seed=seed, backend="custom", index_coding=index_coding)
+             for u, r, k in zip(us, res[b], ks)]))
+        fn(f"decode-accumulate n=1 {b}-bit + /n", lambda b=b: scal(
+            [kernels.decode_accumulate(tf.reshape(p, [1, -1]), n, k, b, backend="custom",
+                                       index_coding=index_coding) / 1.0
+             for p, n, k in zip(pay[b], numels, ks)]))
+    codec2 = sgc.codec()
+    fn("own decode for masking (codec.decode: wire.decode + scatter_nd)", lambda: scal(
+        [codec2.decode(p, n) for p, n in zip(pay[2], numels)]))
+    fn("own decode for masking (decode_accumulate, 1 row)", lambda: scal(
+        [kernels.decode_accumulate(tf.reshape(p, [1, -1]), n, k, 2, backend="custom",
+                                   index_coding=index_coding) for p, n, k in zip(pay[2], numels, ks)]))
+    sents = [codec2.decode(p, n) for p, n in zip(pay[2], numels)]
+    fn("mask + velocity assign (TF ops)", lambda: scal(
+        [v.assign(tf.where(tf.equal(s, 0.0), u, 0.0)) for v, s, u in zip(vel, sents, us)]))
+    if hasattr(kernels, "momentum_mask"):
+        def mask_kernel():
+            for v, s, u in zip(vel, sents, us):
+                kernels.momentum_mask(v, u, s)
+            return scal(vel)
+        fn("mask + velocity assign (kernel) + read", mask_kernel)
+        fn("read velocity (to subtract from the row above)", lambda: scal(vel))
+    for label, comp in (("SGC", sgc), ("top-k", topk), ("fp16", DenseCompression("fp16"))):
+        ex = Exchanger(comp, momentum=m if getattr(comp, "momentum_correction", False) else None)
+        fn(f"whole exchange: {label}", lambda ex=ex: scal(ex.exchange(grads, names)))
+    return fns, sum(numels), len(numels)
+
+
+def bench_phases(configs, repeats, index_codings=("fixed",), exchange_only=False):
+    """Per-phase ms of one exchange's compression compute (world size 1) on each config's model
+    gradients, every phase timed round-robin ``repeats`` times (interleaved)."""
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    rows = []
+    for config in configs:
+        cfg, names, grads = model_gradients(config)
+        for coding in index_codings:
+            fns, numel, count = phase_functions(cfg, names, grads, coding, exchange_only)
+            for f in fns.values():  # trace + warm up
+                f()
+                f()
+            la0 = loadavg()
+            labels = list(fns)
+            ts = timed([fns[k] for k in labels], (), repeats)
+            la1 = loadavg()
+            print(f"\n## {config}: {count} tensors, {numel:,} entries, density "
+                  f"{cfg.compression.density}, index_coding {coding}, momentum {cfg.train.momentum}; "
+                  f"{repeats} interleaved rounds; loadavg {la0} -> {la1}")
+            print("| phase (all tensors of one exchange) | ms: median wall / min wall / min CPU |")
+            print("|---|---|")
+            for lab, t in zip(labels, ts):
+                print(f"| {lab} | {cell(ms(t), 2)} |")
+                rows.append({"config": config, "index_coding": coding, "phase": lab, **ms(t),
+                             "loadavg_before": la0, "loadavg_after": la1, "repeats": repeats})
+    return rows
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from hgsgc.compression.sparsify import sampled_threshold_topk
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "DEFAULT_MARGIN", "topk_select", "topk_select_reference",
            "sparse_encode", "sparse_encode_reference", "compress", "compress_reference",
-           "compress_into", "decode_accumulate", "decode_accumulate_reference"]
+           "compress_into", "decode_accumulate", "decode_accumulate_reference",
+           "momentum_accumulate", "momentum_accumulate_reference", "momentum_mask",
+           "momentum_mask_reference"]
 
 # ------------------------------------------------------------------------------------------------
 # Fused sparse-compression kernels (ops/sparse_codec.cc) and their references.
@@ -346,3 +348,84 @@ def decode_accumulate_reference(gathered, numel, k, bits, offset=0, index_coding
     if not idxs or k == 0:
         return tf.zeros([numel], tf.float32)
     return tf.scatter_nd(tf.concat(idxs, 0)[:, None], tf.concat(vals, 0), [numel])
+
+
+# ------------------------------------------------------------------------------------------------
+# DGC momentum correction on the velocity variable (ops/momentum_mask.cc), session 10.
+
+def _momentum_ops(backend):
+    """The loaded library when the momentum kernels run under ``backend``, else None (the
+    reference path: the pure-TF ops below; also when the loaded library predates the ops)."""
+    if ops._resolve_compression(backend) == "reference":
+        return None
+    lib = ops.load()
+    return lib if hasattr(lib, "hgsgc_momentum_accumulate") else None
+
+
+def _check_velocity(velocity, numel, what):
+    if not isinstance(velocity, tf.Variable) or velocity.dtype != tf.float32 \
+            or velocity.shape.num_elements() != numel:
+        raise ValueError(f"{what}: velocity must be a float32 tf.Variable of {numel} entries, got {velocity!r}")
+
+
+def momentum_accumulate(velocity, grad, momentum, backend=None):
+    """DGC momentum correction's accumulation ``u = m v + g`` in one pass (Lin et al. 2018, Sec. 3.2).
+
+    Args:
+        velocity: float32 ``tf.Variable`` of ``numel`` entries (read, not written).
+        grad: float32 tensor of a static shape with ``numel`` entries.
+        momentum: ``m`` (Python float; used as float32). backend: see :func:`topk_select`.
+
+    Returns:
+        float32 ``[numel]``: ``float32(m) * v`` rounded, then ``+ g`` rounded, under TF's
+        flush-to-zero mode: the bits of :func:`momentum_accumulate_reference`.
+
+    Raises:
+        ValueError: bad dtypes or shapes.
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
+        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
+    numel = int(grad.shape.num_elements())
+    _check_velocity(velocity, numel, "momentum_accumulate")
+    lib = _momentum_ops(backend)
+    if lib is None:
+        return momentum_accumulate_reference(velocity, grad, momentum)
+    return lib.hgsgc_momentum_accumulate(velocity.handle, grad, momentum=float(momentum))
+
+
+def momentum_accumulate_reference(velocity, grad, momentum):
+    """Reference of :func:`momentum_accumulate`: ``m * v + g`` in TF ops (flat)."""
+    return tf.reshape(float(momentum) * velocity + tf.reshape(grad, velocity.shape), [-1])
+
+
+def momentum_mask(velocity, u, sent, backend=None):
+    """DGC momentum factor masking in place: ``v = u`` where ``sent == 0``, ``+0`` elsewhere.
+
+    Args:
+        velocity: float32 ``tf.Variable`` of ``numel`` entries (written; copy-on-write when a
+            read of it is still alive). u, sent: float32 ``[numel]`` (``sent``: the dense decoded
+            own payload; a subnormal counts as 0 and NaN as sent, as ``tf.equal`` on TF's CPU).
+        backend: see :func:`topk_select`.
+
+    Returns:
+        the update op (inside ``tf.function``, ordered by automatic control dependencies).
+
+    Raises:
+        ValueError: bad dtypes or shapes.
+    """
+    u = _float_vector(u, "u")
+    sent = _float_vector(sent, "sent")
+    numel = int(u.shape[0])
+    if int(sent.shape[0]) != numel:
+        raise ValueError(f"sent has {sent.shape[0]} entries but u has {numel}")
+    _check_velocity(velocity, numel, "momentum_mask")
+    lib = _momentum_ops(backend)
+    if lib is None:
+        return momentum_mask_reference(velocity, u, sent)
+    return lib.hgsgc_momentum_mask(velocity.handle, u, sent)
+
+
+def momentum_mask_reference(velocity, u, sent):
+    """Reference of :func:`momentum_mask`: ``v.assign(tf.where(tf.equal(sent, 0.0), u, 0.0))``."""
+    return velocity.assign(tf.reshape(tf.where(tf.equal(sent, 0.0), u, 0.0), velocity.shape))

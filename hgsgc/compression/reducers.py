@@ -143,7 +143,12 @@ class Allgather(Reducer):
         for i, a in enumerate(views):
             if residuals is not None:
                 payload = self.codec.compress_into(a, residuals[i], ctx)
-                sent = self.codec.decode(payload, int(a.shape[0]))  # pruned in graphs if unused
+                # the dense sent tensor (DGC's masking reads it; pruned in graphs if unused):
+                # the payload decoded as a one-row decode_sum (HgsgcDecodeAccumulate with the
+                # kernels: one op per tensor, where codec.decode runs ~20 TF ops); the same bits
+                # as codec.decode (tests/test_kernels10.py)
+                sent = (self.codec.decode_sum(tf.reshape(payload, [1, -1]), int(a.shape[0]), 0)
+                        if hasattr(self.codec, "decode_sum") else self.codec.decode(payload, int(a.shape[0])))
             else:
                 payload, sent = self.codec.encode(a, ctx, i)
             payloads.append(payload)

@@ -83,16 +83,26 @@ class MomentumCorrection(Wrapper):
         self.masking = bool(masking)
 
     def reduce(self, views, names, ctx: Context):
+        from hgsgc.compression import kernels
+
         m = self.momentum
-        us = [m * self.velocity.variable(nm, v.shape) + tf.cast(v, tf.float32)
-              for v, nm in zip(views, names)]
+        vels = [self.velocity.variable(nm, v.shape) for v, nm in zip(views, names)]
+        # u = m u + x and the masking below: one C++ pass each where the kernels are built
+        # (ops/momentum_mask.cc), else TF ops; the same bits either way (tests/test_kernels10.py)
+        us = [kernels.momentum_accumulate(vel, tf.cast(v, tf.float32), m)
+              if v.shape.is_fully_defined() and v.shape.rank == 1
+              else m * vel + tf.cast(v, tf.float32) for v, vel in zip(views, vels)]
         avgs, contributed = self.inner.reduce(us, names, ctx)
         ops = []
         with tf.control_dependencies([a for a in avgs]):
-            for u, c, nm in zip(us, contributed, names):
-                kept = u if c is None or not self.masking else tf.where(tf.equal(c, 0.0), u, 0.0)
-                ops.append(self.velocity.variable(nm, u.shape).assign(kept))
-        with tf.control_dependencies(ops):
+            for u, c, vel in zip(us, contributed, vels):
+                if c is None or not self.masking:
+                    ops.append(vel.assign(u))
+                elif u.shape.rank == 1 and c.shape == u.shape:
+                    ops.append(kernels.momentum_mask(vel, u, c))
+                else:
+                    ops.append(vel.assign(tf.where(tf.equal(c, 0.0), u, 0.0)))
+        with tf.control_dependencies([o for o in ops if o is not None]):
             return [tf.identity(a) for a in avgs], contributed
 
     def own_state(self) -> dict:
