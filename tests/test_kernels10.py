@@ -125,6 +125,17 @@ def test_momentum_correction_exchange_kernels_equal_reference(backend, bits, cod
         assert any((v == 0).sum() > 0 for v in vel.values())
 
 
+@pytest.mark.parametrize("graph", [True, False])
+def test_momentum_correction_with_zero_momentum_kernels_equal_reference(backend, graph):
+    """m = 0 (an SGD(momentum=0.0) optimizer with momentum correction): the same bits too."""
+    comp = Compression.sgc(0.05, momentum_correction=True)
+    backend("reference")
+    ref = run_exchanges(comp, 0.0, 3, graph)
+    backend("custom")
+    ker = run_exchanges(comp, 0.0, 3, graph)
+    compare_runs(ref, ker)
+
+
 @pytest.mark.parametrize("comp", [Compression.sgc(0.01, bits=2), Compression.topk(0.05),
                                   Compression.sgc(0.1, bits=2, index_coding="elias_fano")])
 def test_error_feedback_exchange_kernels_equal_reference(backend, comp):
@@ -172,11 +183,12 @@ def tricky(n, seed):
     return x
 
 
-@pytest.mark.parametrize("m", [0.9, 0.99, 0.5])
+@pytest.mark.parametrize("m", [0.9, 0.99, 0.5, 1.0])
 @pytest.mark.parametrize("graph", [False, True])
 def test_momentum_accumulate_equals_tf_ops(m, graph):
-    """m in (0, 1), as momentum correction requires (with m = 0 grappler folds the TF path's
-    0 * v away in graphs, so even that path's -0 entries differ between eager and graph)."""
+    """m in (0, 1] (with m = 0 grappler folds the TF path's 0 * v away in graphs, so even that
+    path's -0 entries differ between eager and graph: MomentumCorrection keeps the TF ops for
+    m = 0, test below)."""
     n = 70_001
     v = tf.Variable(tricky(n, 1))
     g = tf.constant(tricky(n, 2))

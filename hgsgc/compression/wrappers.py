@@ -89,8 +89,10 @@ class MomentumCorrection(Wrapper):
         vels = [self.velocity.variable(nm, v.shape) for v, nm in zip(views, names)]
         # u = m u + x and the masking below: one C++ pass each where the kernels are built
         # (ops/momentum_mask.cc), else TF ops; the same bits either way (tests/test_kernels10.py)
+        # (m = 0 keeps the TF ops: in graphs grappler folds their 0 * v away, so a -0 / NaN of
+        # v*0 would come out differently from the kernel's IEEE product)
         us = [kernels.momentum_accumulate(vel, tf.cast(v, tf.float32), m)
-              if v.shape.is_fully_defined() and v.shape.rank == 1
+              if m != 0.0 and v.shape.is_fully_defined() and v.shape.rank == 1
               else m * vel + tf.cast(v, tf.float32) for v, vel in zip(views, vels)]
         avgs, contributed = self.inner.reduce(us, names, ctx)
         ops = []
