@@ -226,13 +226,16 @@ def run_data_parallel(cfg, log=print) -> dict:
                 if not step_cpu.running:  # after a traced step: the timed steps start
                     step_cpu.start()
                     win = 0
+                if i + 1 >= steps_per_epoch:  # the epoch's last step: close the window before the
+                    step_cpu.stop(win)  # loop drops the data iterator (a cut-short tf.data
+                    # pipeline's teardown cancels its prefetch threads: 0-7 s here, no step time)
                 losses.append(loss)
                 step = total_steps + i + 1
                 rlog.step(step, epoch + 1, loss, lr_at(cfg.train, step - 1, steps_per_epoch, world_batch))
                 bar.update(i + 1, float(np.mean(losses[-50:])))
                 total_steps_now[0] = step
                 checkpointer.after_step(step, lambda: state_fn(losses, before), lambda: {"history": history})
-            step_cpu.stop(win)
+            step_cpu.stop(win)  # (a no-op unless the data ended before steps_per_epoch)
             opt.hgsgc_synchronize(model.trainable_variables)  # delay: pending sync before evaluating
             epoch_time = time.perf_counter() - epoch_t0
             total_steps += steps_per_epoch

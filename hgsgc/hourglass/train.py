@@ -466,6 +466,8 @@ def run(cfg, log=print) -> dict:
                 step_times.append(time.perf_counter() - t0)
                 win += 1
             n_done = i + 1
+            if n_done >= steps_per_epoch:  # last step: close the window before the loop drops
+                step_cpu.stop(win)  # the data iterator (its teardown is no step time)
             if every and (total_steps + n_done) % every == 0:  # collective: every rank, same step
                 rlog.step(total_steps + n_done, epoch + 1, trainer.train_loss(reset=False))
             bar.update(n_done)
