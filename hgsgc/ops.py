@@ -95,7 +95,11 @@ def load():
     """Load the custom op library ``hgsgc/_ops*.so`` (``tf.load_op_library``), once per process.
 
     Returns:
-        The loaded module; it has ``hgsgc_pack_bits`` and ``hgsgc_unpack_bits``.
+        The loaded module: ``hgsgc_pack_bits`` / ``hgsgc_unpack_bits`` (``ops/pack_bits.cc``) and
+        the fused compression ops ``hgsgc_topk_select``, ``hgsgc_sparse_encode``,
+        ``hgsgc_compress``, ``hgsgc_compress_residual``, ``hgsgc_decode_accumulate``
+        (``ops/sparse_codec.cc``; called through :mod:`hgsgc.compression.kernels`, which checks
+        their arguments and documents shapes and errors).
 
     Raises:
         RuntimeError: the library is missing or does not load (e.g. built against another

@@ -6,18 +6,24 @@
 //   HgsgcTopkSelect(x: float [numel], seed: int64 scalar) [k, sample_size, margin]
 //       -> indices: int32 [k] ascending, values: float [k] = x[indices]
 //   HgsgcSparseEncode(indices: int32 [k], values: float [k]) [numel, bits, index_coding]
-//       -> payload: uint8 [payload_length(numel, k, bits)], sent: float [k]
+//       -> payload: uint8 [payload_length(numel, k, bits, index_coding)], sent: float [k]
 //   HgsgcCompress(grad: float [numel], residual: float [numel] or [0], seed: int64 scalar)
 //       [k, bits, sample_size, margin, index_coding]
 //       -> payload: uint8 [payload_length], new_residual: float [numel] (or [0] without residual)
 //   HgsgcCompressResidual(grad: float [any shape], residual: resource (float32 variable of
-//       numel entries), seed) [k, bits, sample_size, margin] -> payload; the residual variable is
-//       updated in place (one read of grad and residual, one write of the residual)
+//       numel entries), seed) [k, bits, sample_size, margin, index_coding] -> payload; the
+//       residual variable is updated in place (one read of grad and residual, one write of it)
 //   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset, index_coding]
 //       -> sum: float [numel] = sum over ranks r = 0..n-1, in rank order, of the dense tensor
 //          decoded from gathered[r, offset : offset + payload_length]
 //   index_coding ('fixed' default | 'elias_fano'): how the payload's indices are coded (layouts and
 //   lengths in hgsgc/compression/wire.py; EfEncode / EfDecode below); payload_length follows it.
+//   Checked (InvalidArgument): 0 <= k <= numel < 2^31 (int32 indices), bits 2 or 32, margin >= 1
+//   (any larger margin is allowed: beyond numel it changes nothing), sample_size >= 1, seed a
+//   scalar, vectors 1-D; sparse_encode's indices strictly ascending in [0, numel); decode: rows at
+//   least offset + payload_length bytes, every payload's indices strictly ascending and < numel,
+//   an Elias-Fano high part with k set bits among its H bits. A payload is never read past its
+//   payload_length bytes, whatever it holds.
 //
 // Bit-identity contract with the pure-TensorFlow reference (hgsgc/ops.py *_reference, i.e.
 // hgsgc.compression.sparsify / codec and the communicator's rank-order add_n):
@@ -171,7 +177,7 @@ void EfEncode(const int32_t* idx, int64_t k, int64_t numel, uint8_t* dst) {
     for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
       const int64_t nb = std::min<int64_t>(kBlock, k - j0);
       for (int64_t t = 0; t < nb; ++t) buf[t] = static_cast<uint32_t>(idx[j0 + t]) & mask;
-      pack(buf - j0, j0, nb, dst);
+      pack(buf, 0, nb, dst + j0 / kBlock * (4 * l));  // block j0 / 32 starts at byte 4 l (j0 / 32)
     }
   }
   uint8_t* hi = dst + low_bytes;
@@ -182,19 +188,26 @@ void EfEncode(const int32_t* idx, int64_t k, int64_t numel, uint8_t* dst) {
   }
 }
 
-// Decodes an Elias-Fano index section into out[0..k); returns false when its high part holds
-// fewer than k set bits (a malformed payload; encode never writes one). Values are exact
-// (uint32; >= numel or non-ascending values are left to the caller's checks).
+// Decodes an Elias-Fano index section (IndexBytes(numel, k, true) bytes at src) into out[0..k);
+// returns false when the first H = EfHighBits(numel, k) bits of its high part hold fewer than k
+// set bits (a malformed payload; encode never writes one). Like the reference
+// (wire.decode_indices), only those H bits are read: a set padding bit of the last byte is not
+// taken for an index. That also bounds every value by (k - 1 + ((numel - 1) >> l)) << l |
+// (2^l - 1) <= 2 numel - 2 < 2^32, so none wraps around into [0, numel) (with padding bits read,
+// e.g. numel = 2^30, k = 1, l = 30, padding bit 4 gave (4 << 30) mod 2^32 = 0: a wrong index
+// that passed every check). Values >= numel or non-ascending ones are the caller's checks.
 bool EfDecode(const uint8_t* src, int64_t k, int64_t numel, uint32_t* out) {
   const int l = EfLowBits(numel, k);
   const int64_t low_bytes = (k * l + 7) / 8;
   if (l > 0) kUnpackFns[l - 1](src, 0, k, out);
   else std::fill(out, out + k, 0u);
   const uint8_t* hi = src + low_bytes;
-  const int64_t hbytes = (EfHighBits(numel, k) + 7) / 8;
+  const int64_t high_bits = EfHighBits(numel, k);
+  const int64_t hbytes = (high_bits + 7) / 8;
   int64_t i = 0;
   for (int64_t b = 0; b < hbytes && i < k; ++b) {
     uint32_t byte = hi[b];
+    if (b == hbytes - 1 && (high_bits & 7) != 0) byte &= (1u << (high_bits & 7)) - 1;  // padding
     while (byte != 0 && i < k) {
       const int64_t p = 8 * b + __builtin_ctz(byte);
       byte &= byte - 1;
@@ -376,6 +389,11 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
     for (int64_t i = 0; i < k; ++i) idx_out[i] = static_cast<int32_t>(i);
     return 2;
   }
+  // The margin as used below: a margin >= n / k already makes every sample the threshold and
+  // every entry a candidate, so capping it at n changes nothing, and keeps the float -> int64
+  // conversions below in range (a margin of 1e20 made them undefined: the candidate reserve
+  // came out negative and the process died with a segmentation fault).
+  const double mg = std::min<double>(margin, static_cast<double>(n));
   // 1. Threshold estimate from a sample (all entries when numel <= sample_size).
   uint32_t thr = 0;
   int64_t cap;  // candidate budget; more means the estimate was useless: exact path instead
@@ -398,11 +416,12 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
         keys[j++] = MagKey(src.At(static_cast<int64_t>(h % static_cast<uint64_t>(n))));
       }
     }
-    const double want = std::ceil(static_cast<double>(margin) * k * s / n);
+    const double want = std::ceil(mg * k * s / n);  // <= k s < 2^62
     const int64_t kth = std::min<int64_t>(s, std::max<int64_t>(1, static_cast<int64_t>(want)));
     std::nth_element(keys.begin(), keys.begin() + (kth - 1), keys.end(), std::greater<uint32_t>());
     thr = keys[kth - 1];
-    cap = std::max<int64_t>(4 * k + 4096, static_cast<int64_t>(3.0 * margin * k));
+    // (a cap >= n never triggers: at most n entries pass; 2 n keeps the cast in range)
+    cap = std::max<int64_t>(4 * k + 4096, static_cast<int64_t>(std::min(3.0 * mg * k, 2.0 * n)));
   } else {
     cap = n;
   }
@@ -414,8 +433,8 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
     const int64_t b = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n);
     std::vector<uint64_t>& mine = cand[c];
     const int64_t budget = std::min<int64_t>(e - b, cap);
-    mine.reserve(std::min<int64_t>(
-        budget, 256 + static_cast<int64_t>(2.0 * margin * static_cast<double>(k) * (e - b) / n)));
+    mine.reserve(static_cast<size_t>(std::min<double>(
+        static_cast<double>(budget), 256.0 + 2.0 * mg * static_cast<double>(k) * (e - b) / n)));
     bool over = false;
     auto visit = [&](int64_t i, float a) {
       const uint32_t key = MagKey(a);
@@ -545,7 +564,7 @@ void Encode(const Pool& pool, const int32_t* idx, int64_t k, int64_t numel, int 
         const float mag = upper ? hi : lo;
         sent[j0 + t] = neg ? -mag : mag;
       }
-      pack_codes(codes - j0, j0, nb, code_dst);
+      pack_codes(codes, 0, nb, code_dst + j0 / kBlock * 8);  // 2-bit blocks: 8 bytes each
     }
   });
 }
@@ -774,6 +793,11 @@ class SparseEncodeOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcSparseEncode", bits_));
     OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcSparseEncode", &ef_));
+    // Index widths (fixed: ceil(log2 numel), Elias-Fano: floor(log2(numel / k))) must stay <= 31:
+    // a larger numel indexed past the 32 packers and shifted a uint32 by >= 32 bits.
+    OP_REQUIRES(ctx, numel_ < (int64_t{1} << 31),
+                errors::InvalidArgument("HgsgcSparseEncode: numel = ", numel_, "; at most 2^31 - 1 "
+                                        "entries are supported (int32 indices)"));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& indices = ctx->input(0);
@@ -876,7 +900,9 @@ struct DecodeAccumulateFunctor<CPUDevice> {
       if (!ok[r]) {
         ctx->CtxFailure(errors::InvalidArgument(
             "HgsgcDecodeAccumulate: payload of rank ", r, ": the Elias-Fano high part holds fewer "
-            "than k = ", k, " set bits (not an index_coding=elias_fano payload?)"));
+            "than k = ", k, " set bits in its H = ", EfHighBits(numel, k), " bits (not an "
+            "index_coding=elias_fano payload of this tensor? every rank must use the same "
+            "compression.index_coding)"));
         return;
       }
     }
@@ -902,8 +928,10 @@ struct DecodeAccumulateFunctor<CPUDevice> {
         for (int64_t b0 = s / kBlock * kBlock; b0 < e && !failed; b0 += kBlock) {
           const int64_t nb = std::min<int64_t>(kBlock, k - b0);
           if (ef) std::memcpy(ib, dec.data() + r * k + b0, sizeof(uint32_t) * nb);
-          else unpack_idx(v.idx, b0, nb, ib - b0);
-          if (bits == 2) unpack_codes(v.vals, b0, nb, cbuf - b0);
+          // (block b0 / 32 of a width-w stream starts at byte 4 w (b0 / 32); no pointer is formed
+          // before ib / cbuf, which [expr.add] leaves undefined)
+          else unpack_idx(v.idx + b0 / kBlock * (4 * w), 0, nb, ib);
+          if (bits == 2) unpack_codes(v.vals + b0 / kBlock * 8, 0, nb, cbuf);
           const int64_t j1 = std::min<int64_t>(e, b0 + nb);
           for (int64_t j = std::max(s, b0); j < j1; ++j) {
             const int64_t i = ib[j - b0];
@@ -954,10 +982,11 @@ class DecodeAccumulateOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(gathered.shape()),
                 errors::InvalidArgument("HgsgcDecodeAccumulate: gathered must be uint8 [n, P] (one "
                                         "row per rank), got shape ", gathered.shape().DebugString()));
-    const int64_t need = offset_ + PayloadLength(numel_, k_, bits_, ef_);
-    OP_REQUIRES(ctx, gathered.dim_size(1) >= need,
+    // len < 2^38 and the row length >= 0: the difference cannot overflow (offset + len could).
+    const int64_t len = PayloadLength(numel_, k_, bits_, ef_);
+    OP_REQUIRES(ctx, gathered.dim_size(1) - len >= offset_,
                 errors::InvalidArgument("HgsgcDecodeAccumulate: rows of ", gathered.dim_size(1),
-                                        " bytes cannot hold a payload of ", need - offset_,
+                                        " bytes cannot hold a payload of ", len,
                                         " bytes at offset ", offset_));
     Tensor* sum = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &sum));
