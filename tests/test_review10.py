@@ -68,6 +68,12 @@ def test_sparse_encode_refuses_a_numel_its_int32_indices_cannot_address(coding):
                                     numel=numel, bits=32, index_coding=coding)
         with pytest.raises(tf.errors.InvalidArgumentError, match="at most 2\\^31 - 1 entries"):
             kernels.sparse_encode([0, 5], [1.0, -2.0], numel, 2, backend="custom", index_coding=coding)
+        # the pure-TF reference: one ValueError naming numel (was 'width must be in [1, 32]' for
+        # fixed, a failed int32 conversion of 2^l - 1 for elias_fano)
+        with pytest.raises(ValueError, match=f"numel = {numel}: at most 2\\^31 - 1 entries"):
+            kernels.sparse_encode([0, 5], [1.0, -2.0], numel, 2, backend="reference", index_coding=coding)
+        with pytest.raises(ValueError, match=f"numel = {numel}: at most 2\\^31 - 1 entries"):
+            wire.decode(tf.zeros([64], tf.uint8), numel, 2, 32, coding)
 
 
 @pytest.mark.parametrize("coding", CODINGS)
@@ -146,7 +152,9 @@ def test_elias_fano_padding_bits_are_not_read_as_indices(bits):
                        match="payload of rank 0: the Elias-Fano high part holds fewer than k = 10 "
                              "set bits in its H = 25 bits"):
         kernels.decode_accumulate(rows, numel, k, bits, backend="custom", index_coding=EF)
-    with pytest.raises(tf.errors.InvalidArgumentError):
+    with pytest.raises(tf.errors.InvalidArgumentError,  # (was a Reshape error naming no cause)
+                       match="wire.decode_indices: the Elias-Fano high part holds 9 set bits, "
+                             "fewer than k = 10 set bits in its H = 25 bits"):
         kernels.decode_accumulate(rows, numel, k, bits, backend="reference", index_coding=EF)
     # a padding bit set beside a well-formed high part is ignored by both, as by the numpy coder
     extra = good.numpy().copy()
@@ -159,12 +167,31 @@ def test_elias_fano_padding_bits_are_not_read_as_indices(bits):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
+# ------------------------------------------------------------------ reference encode: ascending
+def test_reference_elias_fano_encode_refuses_indices_it_cannot_code():
+    """wire.encode_indices (the pure-TF path, and hierarchy tree/node merges always) coded any
+    int32 [k]: Elias-Fano needs them strictly ascending, so [9, 0] of numel 10 came back as
+    [5, 4] with no error while the C++ kernel refused them. Now both refuse, naming them;
+    ascending ones still equal the numpy code."""
+    for idx in ([9, 0], [3, 3], [2, 10], [-1, 4]):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"wire.encode_indices \(elias_fano\): indices must be strictly "
+                                 r"ascending in \[0, numel = 10\), got"):
+            kernels.sparse_encode(idx, [1.0, 2.0], 10, 32, backend="reference", index_coding=EF)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="strictly ascending"):
+            kernels.sparse_encode(idx, [1.0, 2.0], 10, 32, backend="custom", index_coding=EF)
+    for idx in ([0, 9], [4, 5], [9]):
+        sec = wire.encode_indices(tf.constant(idx, tf.int32), 10, EF)
+        np.testing.assert_array_equal(sec.numpy(), np_index_section(idx, 10, EF))
+        np.testing.assert_array_equal(wire.decode_indices(sec, 10, len(idx), EF).numpy(), idx)
+
+
 # ------------------------------------------------------------------ SelectTopK: a huge margin
 @pytest.mark.parametrize("n", [300, 5000])
 def test_topk_with_a_huge_margin_is_still_the_exact_topk(n):
     """margin is only checked >= 1; a margin of 1e20 turned 2 margin k / n into an out-of-range
-    float -> int64 conversion (undefined; on x86 INT64_MIN), the candidate reserve became
-    negative and std::vector::reserve threw inside the kernel: the process ended (abort).
+    float -> int64 conversion (undefined behaviour; the candidate reserve came out negative):
+    the process died with a segmentation fault (seen with the session-9 build).
     Below sample_size (n = 300) and above it (n = 5000), top-k and the fused compress (both
     codings) now give numpy's exact top-k and the reference's payload."""
     rng = np.random.default_rng(n)

@@ -148,9 +148,10 @@ def topk_select_reference(x, k, sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_
 def sparse_encode(indices, values, numel, bits, backend=None, index_coding="fixed"):
     """Fused 2-bit quantization + bit packing of selected entries into the wire payload.
 
-    Same payload as ``hgsgc.compression.codec.encode`` byte for byte (layout in its module
-    docstring: ``[lo, hi] f32 | indices w bits | codes 2 bits`` for ``bits=2``, ``indices |
-    values f32`` for ``bits=32``, ``w = wire.index_width(numel)``).
+    Same payload as ``hgsgc.compression.codec.encode`` byte for byte (layout in
+    :mod:`hgsgc.compression.wire`: ``[lo, hi] f32 | index section | codes 2 bits`` for ``bits=2``,
+    ``index section | values f32`` for ``bits=32``; the index section holds ``w =
+    wire.index_width(numel)`` bits per index (``"fixed"``) or the Elias-Fano code).
 
     Args:
         indices: int32 ``[k]`` strictly ascending in ``[0, numel)``; values: float32 ``[k]``.
@@ -164,8 +165,12 @@ def sparse_encode(indices, values, numel, bits, backend=None, index_coding="fixe
         what a receiver decodes (the quantized values for ``bits=2``).
 
     Raises:
-        tf.errors.InvalidArgumentError (custom): indices not strictly ascending or out of range.
-        ValueError / TypeError: bad shapes, dtypes or ``bits``.
+        tf.errors.InvalidArgumentError: indices not strictly ascending in ``[0, numel)`` (custom:
+            any coding; reference: ``"elias_fano"`` only), or ``numel >= 2^31`` (custom).
+        ValueError / TypeError: bad shapes, dtypes, ``bits`` or ``index_coding``; ``numel >=
+            2^31`` (reference).
+        RuntimeError: the custom library is missing (``backend="custom"``) or predates
+            ``index_coding`` (``"elias_fano"``: rebuild it).
     """
     bits = _check_bits(bits)
     wire.check_index_coding(index_coding)
@@ -209,7 +214,10 @@ def compress(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, margin=DE
         float32 [numel] or None when residual is None)``.
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+        ValueError / TypeError: bad shapes, dtypes, ``k``, ``bits``, ``sample_size``, ``margin``
+            or ``index_coding``.
+        RuntimeError: the custom library is missing (``backend="custom"``) or predates
+            ``index_coding`` (``"elias_fano"``: rebuild it).
     """
     grad = _float_vector(grad, "grad")
     numel = int(grad.shape[0])
@@ -248,7 +256,10 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
         later read of the variable (automatic control dependencies).
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes, ``k`` or ``bits``.
+        ValueError / TypeError: bad shapes, dtypes, ``k``, ``bits``, ``sample_size``, ``margin``
+            or ``index_coding``.
+        RuntimeError: the custom library is missing (``backend="custom"``) or predates
+            ``index_coding`` (``"elias_fano"``: rebuild it).
     """
     grad = tf.convert_to_tensor(grad)
     if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
@@ -315,7 +326,8 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
 
     Args:
         gathered: uint8 ``[n, P]``, row r = rank r's allgathered buffer; this tensor's payload
-            (``wire.payload_length(numel, k, bits)`` bytes) starts at byte ``offset`` of every row.
+            (``wire.payload_length(numel, k, bits, index_coding)`` bytes) starts at byte
+            ``offset`` of every row (bytes after it are not read).
         numel, k, bits: the tensor's entries, entries sent per rank, 2 or 32 (Python ints).
         offset: byte offset of the payload in each row. backend: see :func:`topk_select`.
         index_coding: ``"fixed"`` or ``"elias_fano"`` (how the payloads' indices are coded).
@@ -324,9 +336,16 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
         float32 ``[numel]``.
 
     Raises:
-        tf.errors.InvalidArgumentError (custom): a payload whose indices are not strictly
-            ascending or reach ``numel`` (encode never produces one).
-        ValueError: bad shapes, ``k``, ``bits`` or ``offset``.
+        tf.errors.InvalidArgumentError: a payload whose indices reach ``numel``, or (custom) are
+            not strictly ascending; an Elias-Fano payload whose high part holds fewer than ``k``
+            set bits in its ``H`` bits (encode never produces either; e.g. ranks that disagree
+            on ``index_coding``); rows shorter than ``offset`` + the payload length when ``P``
+            is not static (a static ``P`` is a ValueError); ``numel >= 2^31`` (custom). The
+            reference adds out-of-order indices without an error.
+        ValueError: bad shapes, ``k``, ``bits``, ``offset`` or ``index_coding``; ``numel >=
+            2^31`` (reference).
+        RuntimeError: the custom library is missing (``backend="custom"``) or predates
+            ``index_coding`` (``"elias_fano"``: rebuild it).
     """
     gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     if ops._resolve_compression(backend) == "reference":

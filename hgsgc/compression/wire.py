@@ -73,7 +73,8 @@ def ef_low_bits(numel: int, k: int) -> int:
 
 
 def ef_high_bits(numel: int, k: int) -> int:
-    """Bits of the Elias-Fano high part (unary bit vector): ``H = k + ((numel - 1) >> l)``."""
+    """Bits of the Elias-Fano high part (unary bit vector): ``H = k + ((numel - 1) >> l)`` with
+    ``l = ef_low_bits(numel, k)``. Raises ValueError for ``k`` outside ``[1, numel]``."""
     return int(k) + ((int(numel) - 1) >> ef_low_bits(numel, k))
 
 
@@ -132,6 +133,13 @@ def _bytes_to_f32(b):
     return tf.bitcast(tf.reshape(b, [-1, 4]), tf.float32)
 
 
+def _check_numel(numel):
+    """ValueError unless ``numel < 2^31`` (indices travel as int32, as in the C++ kernels)."""
+    if int(numel) >= 2**31:
+        raise ValueError(f"numel = {int(numel)}: at most 2^31 - 1 entries are supported (int32 "
+                         "indices); split the tensor")
+
+
 def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") -> tf.Tensor:
     """The index section of a payload (pure TensorFlow, with :func:`hgsgc.ops.pack_bits`).
 
@@ -141,8 +149,16 @@ def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") 
 
     Returns:
         uint8 ``[index_bytes(numel, k, index_coding)]`` (layouts in the module docstring).
+
+    Raises:
+        tf.errors.InvalidArgumentError (when run): ``"elias_fano"`` indices that are not strictly
+            ascending in ``[0, numel)`` (names them; the code could not give them back), or a
+            ``"fixed"`` index ``>= 2^index_width(numel)`` (``pack_bits``; the fixed code keeps
+            any order).
+        ValueError: ``numel >= 2^31`` or an unknown ``index_coding``.
     """
     check_index_coding(index_coding)
+    _check_numel(numel)
     indices = tf.convert_to_tensor(indices, tf.int32)
     k = int(indices.shape[0])
     if k == 0:
@@ -151,6 +167,16 @@ def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") 
         return ops.pack_bits(indices, index_width(numel))
     low = ef_low_bits(numel, k)
     high = ef_high_bits(numel, k)
+    # Elias-Fano codes a strictly ascending sequence in [0, numel) only: other indices would
+    # decode to other indices silently (e.g. [9, 0] of 10 came back as [5, 4]); the fixed code
+    # and the C++ kernel (InvalidArgument) do not lose them, so fail here too, naming them.
+    ok = tf.logical_and(tf.reduce_all(indices[1:] > indices[:-1]),
+                        tf.logical_and(indices[0] >= 0, indices[-1] < numel))
+    check = tf.debugging.Assert(ok, [tf.strings.format(
+        "wire.encode_indices (elias_fano): indices must be strictly ascending in [0, numel = "
+        f"{numel}), got {{}}", indices, summarize=16)])
+    with tf.control_dependencies([check]):
+        indices = tf.identity(indices)
     parts = []
     if low > 0:
         parts.append(ops.pack_bits(tf.bitwise.bitwise_and(indices, (1 << low) - 1), low))
@@ -163,9 +189,18 @@ def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") 
 
 def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "fixed") -> tf.Tensor:
     """Inverse of :func:`encode_indices`: uint8 ``[index_bytes(numel, k, index_coding)]`` ->
-    int32 ``[k]``. Raises InvalidArgumentError (when run) for an Elias-Fano section whose high
-    part holds fewer than ``k`` set bits (encode never produces one)."""
+    int32 ``[k]``.
+
+    Raises:
+        tf.errors.InvalidArgumentError (when run): a section of another length (``unpack_bits``
+            names both), or an Elias-Fano section whose first ``H`` high bits hold fewer than
+            ``k`` set bits (encode never produces one; the padding bits after ``H`` are not read).
+            The decoded indices are not checked otherwise (a corrupt section can give indices
+            ``>= numel`` or out of order; ``tf.scatter_nd`` refuses the former).
+        ValueError: ``numel >= 2^31`` or an unknown ``index_coding``.
+    """
     check_index_coding(index_coding)
+    _check_numel(numel)
     k = int(k)
     if k == 0:
         return tf.zeros([0], tf.int32)
@@ -176,7 +211,12 @@ def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "
     low_bytes = (k * low + 7) // 8
     unary = ops.unpack_bits(section[low_bytes:], 1, high)
     pos = tf.cast(tf.where(tf.not_equal(unary, 0))[:, 0], tf.int32)
-    pos = tf.reshape(pos[:k], [k])  # fails when fewer than k bits are set
+    check = tf.debugging.Assert(tf.size(pos) >= k, [tf.strings.format(
+        "wire.decode_indices: the Elias-Fano high part holds {} set bits, fewer than k = "
+        f"{k} set bits in its H = {high} bits (not an index_coding=elias_fano payload of this "
+        "tensor? every rank must use the same compression.index_coding)", tf.size(pos))])
+    with tf.control_dependencies([check]):
+        pos = tf.reshape(pos[:k], [k])
     idx = tf.bitwise.left_shift(pos - tf.range(k, dtype=tf.int32), low)
     if low > 0:
         idx = tf.bitwise.bitwise_or(idx, ops.unpack_bits(section[:low_bytes], low, k))
@@ -215,7 +255,19 @@ def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int, index_c
 
 
 def decode(payload: tf.Tensor, numel: int, k: int, bits: int, index_coding: str = "fixed"):
-    """Inverse of :func:`encode`: uint8 ``[payload_length]`` -> ``(indices int32 [k], values float32 [k])``."""
+    """Inverse of :func:`encode`: uint8 ``[payload_length(numel, k, bits, index_coding)]`` ->
+    ``(indices int32 [k], values float32 [k])`` (for ``bits=2`` the dequantized values).
+
+    Args:
+        payload: uint8 ``[payload_length(numel, k, bits, index_coding)]`` (exactly: a longer
+            ``bits=32`` payload would give more values). numel, k, bits, index_coding: as
+            :func:`encode` (the sender's).
+
+    Raises:
+        tf.errors.InvalidArgumentError (when run): a short payload or a malformed Elias-Fano
+            index section (:func:`decode_indices`).
+        ValueError: ``numel >= 2^31`` or an unknown ``index_coding``.
+    """
     check_index_coding(index_coding)
     if k == 0:
         return tf.zeros([0], tf.int32), tf.zeros([0], tf.float32)
