@@ -8,6 +8,9 @@
   the allreduce whose average is checked has run, so the skipped call's bytes are counted.
 * A ``nonfinite`` mode that differs across ranks (tape and optimizer): one error on every rank
   naming it (tests/mpi/brk10_nonfinite_mismatch.py); it hung before.
+* Elias-Fano by default with kr10's momentum kernels: DGC / momentum-corrected SGC through fit and
+  tape equal the pure-TF path bit for bit (tests/mpi/brk10_dgc_backends.py); an Hourglass run
+  checkpointed with ``fixed`` resumes under the default bit-exact (only byte counters differ).
 """
 import pytest
 
@@ -60,3 +63,59 @@ def test_a_nonfinite_mode_that_differs_across_ranks_stops_every_rank_naming_it(n
     assert got == [f"hgsgc: error (all {np_} ranks): ValueError: nonfinite differs between ranks: "
                    f"'skip' on rank 0 but 'off' on rank 1: pass the same nonfinite mode on every rank"], \
         p.stderr[-3000:]
+
+
+def test_dgc_kernels_equal_the_reference_through_fit_and_tape_on_2_ranks():
+    """kr10's momentum kernels (ops/momentum_mask.cc) with the default Elias-Fano coding, trained
+    through DistributedOptimizer + model.fit and DistributedGradientTape in a tf.function (DGC with
+    buckets 2 / tree, SGC 2-bit with momentum correction on the node hierarchy, an embedding's
+    IndexedSlices gradient): weights and every hgsgc state leaf bit-equal to the pure-TF path,
+    every rank the same weights."""
+    res = mpi_result(2, ["tests/mpi/brk10_dgc_backends.py"], timeout=500)
+    cases = [k for k in res if k != "size"]
+    assert len(cases) == 5, res
+    for k in cases:
+        r = res[k]
+        assert r["weights_differ"] == [] and r["state_differ"] == [] and r["n_state"] >= 16, (k, r)
+        assert r["ranks_equal"] and r["moved"], (k, r)
+
+
+def test_hourglass_checkpointed_with_fixed_resumes_under_the_default_bit_exact(tmp_path):
+    """Hourglass (2 CONV + 2 FC ranks, SGC delay 2 on CONV, fc_method sgc): run a with
+    compression.index_coding=fixed (the old default) checkpoints at step 6; run b resumes it with no
+    coding given (elias_fano on both sides). Every step-10 leaf of every rank equals a's bit for bit
+    except the byte counters (158 leaves, 12 counters)."""
+    import os
+    import shutil
+    import subprocess
+
+    from ckpt_compare import compare
+    from conftest import MPIRUN, PY, ROOT
+
+    base = ["configs/fashion_mnist.yaml", "layout=hourglass", "model.name=tiny", "train.batch_size=16",
+            "hourglass.micro_batches=2", "compression.method=sgc", "compression.density=0.05",
+            "compression.delay=2", "hourglass.link_bandwidth_mbps=100", "hourglass.fc_workers=2",
+            "hourglass.fc_method=sgc", "data.train_limit=2000", "data.test_limit=200", "train.epochs=2",
+            "train.max_steps_per_epoch=5", "train.progress=false", "train.deterministic=true",
+            "checkpoint.keep=20", "train.threads=1", f"run.out_dir={tmp_path}"]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMPI_MCA_mpi_yield_when_idle="1")
+
+    def train(run_id, extra):
+        cmd = (MPIRUN + ["-np", "4", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x",
+                         "OMPI_MCA_mpi_yield_when_idle", PY, "-m", "hgsgc.cli", "train"] + base
+               + [f"run.id={run_id}"] + extra)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env, cwd=ROOT)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p
+
+    train("a", ["compression.index_coding=fixed", "checkpoint.every_steps=6"])
+    a = tmp_path / "a" / "checkpoints"
+    os.makedirs(tmp_path / "b" / "checkpoints")
+    shutil.copytree(a / "step-00000006", tmp_path / "b" / "checkpoints" / "step-00000006")
+    p = train("b", [])
+    assert "(step 6)" in p.stdout and "'index_coding': 'elias_fano'" in p.stdout, p.stdout[-2000:]
+    n, diffs = compare(str(a / "step-00000010"), str(tmp_path / "b" / "checkpoints" / "step-00000010"))
+    assert n >= 150, n
+    # every rank (CONV 0-1, FC 2-3) sent Elias-Fano payloads after the resume: only counters differ
+    assert sorted(diffs) == sorted(f"rank {r}/optimizer/hgsgc/stats/{k}" for r in range(4)
+                                   for k in ("bytes_received", "bytes_sent", "payload_bytes")), diffs
