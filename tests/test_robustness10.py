@@ -119,3 +119,35 @@ def test_hourglass_checkpointed_with_fixed_resumes_under_the_default_bit_exact(t
     # every rank (CONV 0-1, FC 2-3) sent Elias-Fano payloads after the resume: only counters differ
     assert sorted(diffs) == sorted(f"rank {r}/optimizer/hgsgc/stats/{k}" for r in range(4)
                                    for k in ("bytes_received", "bytes_sent", "payload_bytes")), diffs
+
+
+def test_perfmodel_validation_before_refuses_a_file_that_is_not_its_rows(tmp_path, capsys):
+    """``--before`` given the bench results JSON instead of a rows JSON (both sit side by side in
+    docs/benchmarks/) ended in ``TypeError: string indices must be integers`` inside a dict
+    comprehension; a rows JSON of other cells gave 'the same 0 cells: within 15 %: 0 of 0'. Now one
+    line naming the file, what it holds and the fix."""
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "pv", f"{ROOT}/scripts/cluster/perfmodel_validation.py")
+    v = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(v)
+    bench = f"{ROOT}/docs/benchmarks/vgg16_2h_s10.json"
+    probe = f"{ROOT}/docs/benchmarks/link_calibration_pinned_s10.json"
+    with pytest.raises(SystemExit) as e:
+        v.main(["--bench", f"{bench}={probe}", "--before", bench, "--json", str(tmp_path / "b.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[-1]  # argparse's prog
+    assert err == (f"--before {bench}: not a rows file of "
+                   "perfmodel_validation.py --json (a list of rows with 'run' and 'error'; this holds "
+                   "a dict with keys name, spec, started_utc, ...): pass the --json output of an earlier run"), err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"run": "some/other/run", "error": 0.1}]))
+    with pytest.raises(SystemExit):
+        v.main(["--bench", f"{bench}={probe}", "--before", str(other), "--json", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[-1]
+    assert err == (f"--before {other}: none of its 1 rows is a cell of this "
+                   "run (compare runs of the same cells)"), err

@@ -429,7 +429,17 @@ def main(argv=None):
     before = None
     if args.before:
         with open(args.before) as f:
-            before = {x["run"]: x["error"] for x in json.load(f)}
+            old = json.load(f)
+        if not (isinstance(old, list) and all(isinstance(x, dict) and "run" in x and "error" in x for x in old)):
+            what = (f"a dict with keys {', '.join(map(str, list(old)[:3]))}, ..." if isinstance(old, dict)
+                    else f"a {type(old).__name__}" if not isinstance(old, list) else "a list of other records")
+            ap.error(f"--before {args.before}: not a rows file of perfmodel_validation.py --json (a list "
+                     f"of rows with 'run' and 'error'; this holds {what}): pass the --json output of an "
+                     "earlier run")
+        before = {x["run"]: x["error"] for x in old}
+        if not set(before) & {x["run"] for x in rows}:
+            ap.error(f"--before {args.before}: none of its {len(before)} rows is a cell of this run "
+                     "(compare runs of the same cells)")
         for x in rows:
             x["error_before"] = before.get(x["run"])
     lines = ["| cell | how it ran | method | H | link | settings | loadavg | compute ms | compression ms/step "
