@@ -4,7 +4,8 @@
   landed tests: an embedding (``IndexedSlices``) gradient carrying the NaN / Inf, a None gradient
   mixed in, DGC with momentum, PowerSGD, fp16, -Inf; two models and two tapes in one
   ``tf.function`` (a NaN in one skips that one only); a state saved after a skipped call and
-  loaded into a fresh tape continues bit for bit with the count carried. Dense ``none`` / ``fp16``:
+  loaded into a fresh tape continues bit for bit with the count carried; a tape on a process set
+  without rank 0 (tests/mpi/brk10_tape_process_set.py) skips on the set alone. Dense ``none`` / ``fp16``:
   the allreduce whose average is checked has run, so the skipped call's bytes are counted.
 * A ``nonfinite`` mode that differs across ranks (tape and optimizer): one error on every rank
   naming it (tests/mpi/brk10_nonfinite_mismatch.py); it hung before.
@@ -151,3 +152,24 @@ def test_perfmodel_validation_before_refuses_a_file_that_is_not_its_rows(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[-1]
     assert err == (f"--before {other}: none of its 1 rows is a cell of this "
                    "run (compare runs of the same cells)"), err
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_tape_nonfinite_skip_on_a_process_set_without_rank_0(np_):
+    """A tape on the process set of ranks 1..n-1 (as the Hourglass FC ranks), SGC, NaN on the last
+    rank at call 2: every rank of the set skips that call (zeros, skipped 1), calls 1 and 3 equal a
+    run without it, world rank 0 is never blocked, and the set's first rank (1) prints the warning
+    once."""
+    import json
+
+    from conftest import mpirun
+
+    p = mpirun(np_, ["tests/mpi/brk10_tape_process_set.py"], timeout=240,
+               env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "OMPI_MCA_mpi_yield_when_idle": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][0][7:])
+    assert res["ranks"][0] == {"rank": 0}
+    for r in res["ranks"][1:]:
+        assert r["o1"] and r["o3"] and r["o2_zero"] and r["skipped"] == [1, 0], r
+    assert (p.stdout + p.stderr).count("hgsgc: warning: NaN/Inf gradient on some rank: tape gradient() "
+                                       "skipped (nonfinite='skip'), skipped so far: 1") == 1
