@@ -424,7 +424,11 @@ class DistributedGradientTape:
     with no extra collective: that allreduce has run when the call is skipped, so its bytes are
     counted (the byte counters and ``rng_step`` include the skipped call; nothing else changes). Zero gradients change nothing under plain SGD, but an optimizer with
     momentum or Adam still advances its own slots: for an exact skip of the whole step use
-    :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``.
+    :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``. Not with dynamic loss
+    scaling (``tf.keras.mixed_precision.LossScaleOptimizer``): it lowers its scale only when it
+    sees a non-finite gradient, which ``"skip"`` replaces by zeros, so a scale that overflows stays
+    and every step is skipped (2 ranks, a float16 loss overflowing at the initial scale 2^15: 6 of
+    6 calls skipped, scale still 32768; with ``"off"`` and ``Compression.none`` it fell to 512).
 
     Raises:
         ValueError: ``compression`` with ``delay > 1``; momentum correction without
