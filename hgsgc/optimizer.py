@@ -180,11 +180,87 @@ class _HgsgcOptimizerMixin:
 
         return tf.cond(ok, run, skip)
 
+    # --- mixed precision: Keras' LossScaleOptimizer around this optimizer --------------------
+    def _aggregate_gradients(self, grads_and_vars):
+        """Keras calls this to average gradients before it applies them. Called by our own
+        :meth:`apply_gradients` (through Keras' ``apply_gradients``) it does nothing beyond
+        Keras' default; called from outside, it is Keras' ``LossScaleOptimizer`` (mixed
+        precision, also added by ``model.compile`` under a ``mixed_float16`` policy), which
+        aggregates here so that every rank sees the same NaN/Inf and skips the same steps (as
+        Horovod's optimizer does). Then the exchange runs here, guarded: a compressed exchange
+        first agrees on the ranks' finiteness (one 4-byte ``allreduce(op=Min)``) and, when any
+        rank overflowed, returns all-NaN gradients on every rank without exchanging (residuals,
+        velocity and byte counts untouched), so every rank's loss scale drops alike and the
+        step is skipped everywhere; a dense exchange (``none`` / ``fp16``) carries any rank's
+        NaN/Inf in its average. The following inner ``apply_gradients`` applies the average
+        without exchanging again.
+
+        Raises:
+            ValueError: ``delay > 1`` (local steps are per rank, so a loss-scale skip on one rank
+                would break the ranks' common sync schedule).
+        """
+        if getattr(self, "_hgsgc_applying", False):
+            return super()._aggregate_gradients(grads_and_vars)
+        return self._hgsgc_loss_scaled_exchange(grads_and_vars)
+
+    def _hgsgc_loss_scaled_exchange(self, grads_and_vars):
+        from hgsgc import faults
+
+        grads_and_vars = [(g, v) for g, v in grads_and_vars]
+        if self._hgsgc_compression.delay != 1:
+            raise ValueError(
+                "hgsgc: a LossScaleOptimizer (mixed precision; model.compile adds one under a "
+                "mixed_float16 policy) around hgsgc.DistributedOptimizer needs delay 1: a loss-scale "
+                "skip happens on one rank's local step only and would break the ranks' common sync "
+                f"schedule (delay is {self._hgsgc_compression.delay}); use delay=1 or float32")
+        variables = [v for _, v in grads_and_vars]
+        names = _var_names(variables)
+        grads = faults.densify([g for g, _ in grads_and_vars], variables)
+        key = tuple(names)
+        if key not in self._hgsgc_checked:
+            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set,
+                                        settings=_settings(self._hgsgc_compression),
+                                        guard={"nonfinite": self._hgsgc_nonfinite,
+                                               "loss_scale": True})
+            self._hgsgc_checked.add(key)
+
+        def exchange():
+            return list(self._hgsgc_exchanger.exchange(grads, names))
+
+        if self._hgsgc_exchanger.pipeline is None:
+            avg = exchange()
+        else:
+            ok = faults.all_ranks_finite(grads, self._hgsgc_exchanger.process_set,
+                                         name=f"hgsgc_loss_scale_finite_{len(self._hgsgc_checked)}")
+            avg = tf.cond(ok, exchange,
+                          lambda: [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype))
+                                   for g in grads])
+        self._hgsgc_pre_averaged = key
+        return list(zip(avg, variables))
+
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         names = _var_names(variables)
+        if getattr(self, "_hgsgc_pre_averaged", None) == tuple(names):
+            # the LossScaleOptimizer's aggregation exchanged these already: apply the average
+            self._hgsgc_pre_averaged = None
+            self._hgsgc_applying = True
+            try:
+                return super().apply_gradients(grads_and_vars, name=name,
+                                               experimental_aggregate_gradients=False)
+            finally:
+                self._hgsgc_applying = False
+        self._hgsgc_applying = True
+        try:
+            return self._hgsgc_apply_gradients(grads_and_vars, variables, names, name,
+                                               experimental_aggregate_gradients)
+        finally:
+            self._hgsgc_applying = False
+
+    def _hgsgc_apply_gradients(self, grads_and_vars, variables, names, name,
+                               experimental_aggregate_gradients):
         delay = self._hgsgc_compression.delay
         sup = super()
         if delay == 1:
