@@ -1,7 +1,7 @@
 """Order of the thread-CPU window's close and the epoch's data-iterator teardown, per rank.
 
-Run as ``check_step_cpu_window.py OUT_DIR CONFIG [overrides...]`` under mpirun; every rank prints
-``EVENTS <rank> <json list>``: ``"start"`` (a window opens), ``["stop", n]`` (a window of ``n``
+Run as ``check_step_cpu_window.py OUT_DIR CONFIG [overrides...]`` under mpirun; every rank writes
+``OUT_DIR/events_<rank>.json``, a list of: ``"start"`` (a window opens), ``["stop", n]`` (a window of ``n``
 timed steps closes) and ``"teardown"`` (the epoch's batch iterator is closed: for a tf.data
 pipeline cut short by ``train.max_steps_per_epoch`` this cancels its prefetch threads, measured
 at 0-7 s on this machine, none of it step time). :class:`hgsgc.bench_threads.StepCPU` and the
@@ -9,6 +9,9 @@ image task's ``train_data`` are wrapped to record the events; nothing else chang
 """
 import json
 import sys
+
+from mpi4py import MPI  # noqa: F401  (MPI with thread support before Horovod, as `hgsgc train` does;
+# without it the 3-rank job crashed at interpreter exit in 2 of about 6 runs)
 
 import hgsgc.bench_threads as bt
 import hgsgc.tasks as tasks
@@ -57,4 +60,6 @@ cfg = load_config(config, overrides + [f"run.out_dir={out}"])
 train.run(cfg, log=lambda *a, **k: None)
 import horovod.tensorflow as hvd  # noqa: E402
 
-print(f"EVENTS {hvd.rank()} {json.dumps(EVENTS)}", flush=True)
+# one file per rank (mpirun may join lines of several ranks' stdout)
+with open(f"{out}/events_{hvd.rank()}.json", "w") as f:
+    json.dump(EVENTS, f)
