@@ -17,6 +17,18 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
+def load_script(*parts):
+    """Import a file under ``scripts/`` (not a package) as a module, e.g.
+    ``load_script("cluster", "perfmodel_validation.py")``."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "scripts", *parts)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(parts[-1])[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def mpirun(np_, args, timeout=300, env=None):
     """Run ``args`` (a python script and its arguments) under mpirun with np_ ranks."""
     e = dict(os.environ)

@@ -257,15 +257,9 @@ def test_bench_markdown_thread_cpu_table():
 
 
 def _validation():
-    import importlib.util
+    from conftest import load_script
 
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location(
-        "perfmodel_validation", os.path.join(ROOT, "scripts", "cluster", "perfmodel_validation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("cluster", "perfmodel_validation.py")
 
 
 def test_hvd_mpi_cpu_term_exact():

@@ -6,7 +6,6 @@ A ``scripts/cluster/calibrate_link.py`` JSON with fixed probe numbers -> ``calib
 the PROBE's rate (efficiency x nominal), its 0-byte round as alpha, and the emulator's token
 bucket, not the nominal rate; the row says which probe (pinned or not) it used. ``hgsgc plan``
 keeps the nominal rate x the framing efficiency (no probe: a real network)."""
-import importlib.util
 import json
 import os
 
@@ -18,11 +17,9 @@ NO_PUT = ["--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum"]
 
 
 def _validation():
-    spec = importlib.util.spec_from_file_location(
-        "perfmodel_validation", os.path.join(ROOT, "scripts", "cluster", "perfmodel_validation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("cluster", "perfmodel_validation.py")
 
 
 def _probe(tmp_path, pinned=True):

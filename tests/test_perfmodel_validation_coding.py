@@ -7,7 +7,6 @@ index coding changes (fixed -> Elias-Fano), every committed cell that ran with f
 be predicted with the other coding's bytes. The cell's own record (``compression.index_coding``;
 absent in cells from before session 9: those ran ``fixed``) decides. alexnet_small, SGC density
 0.005, 2-bit: 24,964 B per exchange with fixed indices, 12,812 B with Elias-Fano (docs/compression.md)."""
-import importlib.util
 import json
 import os
 
@@ -17,11 +16,9 @@ from conftest import ROOT
 
 
 def _validation():
-    spec = importlib.util.spec_from_file_location(
-        "perfmodel_validation", os.path.join(ROOT, "scripts", "cluster", "perfmodel_validation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("cluster", "perfmodel_validation.py")
 
 
 def _bench(tmp_path, coding, delay=1, name="b.json"):

@@ -3,7 +3,6 @@
 A cell of ``dilation: cpu_share`` / ``gpu`` ran its links at the emulated rate (f x nominal) and
 its measured step is on this machine's clock; the prediction must use that link, not the nominal
 one (before this fix every dilated cell was predicted at the nominal rate)."""
-import importlib.util
 import json
 import os
 
@@ -11,13 +10,9 @@ import pytest
 
 
 def _validation():
-    from conftest import ROOT
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "perfmodel_validation", os.path.join(ROOT, "scripts", "cluster", "perfmodel_validation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("cluster", "perfmodel_validation.py")
 
 
 def _bench(tmp_path, dilation):

@@ -127,15 +127,11 @@ def test_perfmodel_validation_before_refuses_a_file_that_is_not_its_rows(tmp_pat
     docs/benchmarks/) ended in ``TypeError: string indices must be integers`` inside a dict
     comprehension; a rows JSON of other cells gave 'the same 0 cells: within 15 %: 0 of 0'. Now one
     line naming the file, what it holds and the fix."""
-    import importlib.util
     import json
 
-    from conftest import ROOT
+    from conftest import ROOT, load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "pv", f"{ROOT}/scripts/cluster/perfmodel_validation.py")
-    v = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(v)
+    v = load_script("cluster", "perfmodel_validation.py")
     bench = f"{ROOT}/docs/benchmarks/vgg16_2h_s10.json"
     probe = f"{ROOT}/docs/benchmarks/link_calibration_pinned_s10.json"
     with pytest.raises(SystemExit) as e:
