@@ -8,39 +8,19 @@ import tensorflow as tf
 
 from hgsgc import ops
 from hgsgc.compression import kernels, wire
+from test_index_coding import np_ef_encode, np_fixed_encode, np_low_bits
 
 EF = "elias_fano"
 CODINGS = ("fixed", EF)
 
 
 # ------------------------------------------------------------------ numpy references
-def np_low_bits(numel, k):
-    """Largest l with k 2^l <= numel (floor(log2(numel / k))), by doubling."""
-    low = 0
-    while k << (low + 1) <= numel:
-        low += 1
-    return low
-
-
-def np_pack(values, width):
-    if width == 0 or len(values) == 0:
-        return np.zeros(0, np.uint8)
-    v = np.asarray(values, np.uint64)
-    bits = ((v[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
-    return np.packbits(bits.ravel(), bitorder="little")
-
-
 def np_index_section(idx, numel, coding):
     """The index section of a payload: fixed width ceil(log2 numel), or Elias-Fano (low l bits
-    packed, then the unary high part of H = k + ((numel - 1) >> l) bits)."""
+    packed, then the unary high part of H = k + ((numel - 1) >> l) bits); the numpy coders of
+    tests/test_index_coding.py."""
     idx = np.asarray(idx, np.int64)
-    if coding == "fixed":
-        return np_pack(idx, max(1, (numel - 1).bit_length()))
-    k = len(idx)
-    low = np_low_bits(numel, k)
-    unary = np.zeros(k + ((numel - 1) >> low), np.uint8)
-    unary[(idx >> low) + np.arange(k)] = 1
-    return np.concatenate([np_pack(idx & ((1 << low) - 1), low), np.packbits(unary, bitorder="little")])
+    return np_fixed_encode(idx, numel) if coding == "fixed" else np_ef_encode(idx, numel)
 
 
 def np_payload32(idx, vals, numel, coding):
