@@ -1142,7 +1142,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     Returns ``{"base_s", "per_payload_s"}``: ``base_s`` = the exchange in a process set of one rank
     (selection / quantisation / factorisation, encoding, decoding the rank's own payload; no
     collective), ``per_payload_s`` = decoding and adding one more sparse payload (0 for dense,
-    PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). The cost of
+    PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). fp32 dense:
+    both 0. fp16 dense (session 11): ``base_s`` = :func:`measure_fp16_cast_s` (the cast to float16
+    before Horovod's allreduce and back after, which a world of one skips: ``"alone_s": 0.0``, see
+    :func:`compression_at`). The cost of
     an exchange among ``k`` ranks is ``base_s + (k - 1) per_payload_s`` (allgather) or
     ``base_s + rounds * per_payload_s`` (tree / node: one merge per round).
     Needs ``hvd.init()`` (it is called if needed; one process is a world of size 1). ``clock``:
@@ -1156,7 +1159,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     from hgsgc.compression import SparseCompression, as_compression
 
     comp = as_compression(compression)
-    if not comp.compressed:  # dense: Horovod's allreduce, nothing to encode
+    if getattr(comp, "kind", None) == "fp16":  # the casts around Horovod's allreduce (none alone)
+        return {"base_s": measure_fp16_cast_s(shapes, reps=reps, clock=clock), "per_payload_s": 0.0,
+                "alone_s": 0.0}
+    if not comp.compressed:  # fp32 dense: Horovod's allreduce, nothing to encode
         return {"base_s": 0.0, "per_payload_s": 0.0}
     if not hvd.is_initialized():
         hvd.init()
@@ -1230,5 +1236,101 @@ def measure_update_s(shapes, momentum: float = 0.0, reps: int = 5, clock=None) -
 def compression_at(cost: dict, k: int, algorithm: str) -> float:
     """:func:`measure_compression_s`'s cost for an exchange among ``k`` ranks:
     ``base_s + costs.exchange_merges(k, algorithm) * per_payload_s`` (``k - 1`` payloads to decode
-    and add; ``ceil(log2 k)`` for tree / node)."""
+    and add; ``ceil(log2 k)`` for tree / node); ``cost["alone_s"]`` instead for ``k <= 1`` where
+    the cost says what a world of one runs (fp16: no cast, 0)."""
+    if int(k) <= 1 and "alone_s" in cost:
+        return float(cost["alone_s"])
     return cost["base_s"] + costs.exchange_merges(k, algorithm) * cost["per_payload_s"]
+
+
+# ------------------------------------------------------------------------------------------
+# The fp16 cast of the dense fp16 allreduce (session 11): a compression cost like the others'.
+def _fp16_cast_graph(tensors, n: int):
+    """The casts ``hgsgc.compression.reducers.DenseAllreduce.reduce_raw`` runs around Horovod's
+    allreduce for fp16 on ``n >= 2`` ranks, with the allreduce left out (its output replaced by its
+    input): ``h = cast(cast(x, float32) / n, float16)`` per tensor before, ``cast(h, float32)``
+    after. Returns the float32 tensors."""
+    import tensorflow as tf
+
+    return [tf.cast(tf.cast(tf.cast(t, tf.float32) / float(n), tf.float16), t.dtype) for t in tensors]
+
+
+def measure_fp16_cast_s(shapes, reps: int = 5, clock=None, n: int = 2) -> float:
+    """Median seconds of the fp16 casts of one exchange of float32 tensors of ``shapes``
+    (:func:`_fp16_cast_graph`: divide by ``n``, cast to float16, cast back), all tensors in one
+    ``tf.function`` as the training step runs them (two warm-up calls, then ``reps`` timed ones;
+    the function returns the cast tensors, so nothing else is timed but the call). ``clock``: as in
+    :func:`measure_compute_s`. 0 for no tensors; the call's own overhead (tens of us) is included.
+
+    Raises:
+        ValueError: ``n < 2`` (a world of one casts nothing).
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    if int(n) < 2:
+        raise ValueError(f"measure_fp16_cast_s: n={n!r} ranks: the fp16 exchange casts only for n >= 2")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    shapes = [s for s in shapes if math.prod(s) > 0]
+    if not shapes:
+        return 0.0
+    rng = np.random.default_rng(3)
+    tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+
+    @tf.function
+    def casts():
+        return _fp16_cast_graph(tensors, int(n))
+
+    return _timed_median(casts, reps, clock=clock)
+
+
+def fp16_cast_s(shapes, cal: dict) -> float:
+    """Seconds one rank spends in the fp16 casts of one dense fp16 exchange of float32 tensors of
+    ``shapes`` (:func:`_fp16_cast_graph`), from a per-tensor-size calibration ``cal`` =
+    ``{"per_tensor_s": a, "per_element_s": b}`` (:func:`fit_fp16_cast`)::
+
+        cast_s = sum over tensors with d = numel > 0 of  (a + b d)
+
+    ``a``: the three ops' fixed cost per tensor (divide, cast to float16, cast back), ``b``: their
+    seconds per element (reading 4 + 2 bytes, writing 2 + 4, one division). The call overhead of
+    a separate ``tf.function`` (``cal["call_s"]``) is not charged: in training the casts run inside
+    the step's graph. A compression cost of the step like the sparse methods' (:func:`predict_step`'s
+    ``compression_s``, once per exchange); 0 in a world of one (no cast there).
+
+    Raises:
+        ValueError: ``a`` or ``b`` negative or missing.
+    """
+    a, b = cal.get("per_tensor_s"), cal.get("per_element_s")
+    if a is None or b is None or not (float(a) >= 0 and float(b) >= 0):
+        raise ValueError(f"fp16_cast_s: cal needs per_tensor_s >= 0 and per_element_s >= 0 (fit_fp16_cast), "
+                         f"got per_tensor_s={a!r}, per_element_s={b!r}")
+    ds = [math.prod(int(x) for x in s) for s in shapes]
+    return sum(float(a) + float(b) * d for d in ds if d > 0)
+
+
+def fit_fp16_cast(points) -> dict:
+    """Least-squares fit of measured fp16 cast calls ``points`` = ``[(m, d, seconds), ...]`` (one
+    ``tf.function`` call casting ``m`` tensors of ``d`` elements each, :func:`measure_fp16_cast_s`)
+    to ``seconds = c + m a + m d b``: ``{"call_s": c, "per_tensor_s": a, "per_element_s": b,
+    "residual_rel": max |fit / measured - 1|}`` (numpy ``lstsq`` on the rows divided by the measured
+    seconds, i.e. least squares of the RELATIVE residuals, so calls of microseconds and of
+    milliseconds weigh alike; ``c`` the call's overhead, not charged by :func:`fp16_cast_s`; a
+    negative ``a`` or ``c`` is kept as fitted and reported).
+
+    Raises:
+        ValueError: fewer than 3 points, or all points with the same ``m`` (``c`` and ``a`` then
+            cannot be told apart).
+    """
+    import numpy as np
+
+    pts = [(int(m), int(d), float(t)) for m, d, t in points]
+    if len(pts) < 3 or len({m for m, _, _ in pts}) < 2:
+        raise ValueError(f"fit_fp16_cast needs >= 3 points with >= 2 different tensor counts m, got {pts}")
+    A = np.array([[1.0, m, m * d] for m, d, _ in pts])
+    y = np.array([t for _, _, t in pts])
+    if not np.all(y > 0):
+        raise ValueError(f"fit_fp16_cast needs measured seconds > 0, got {pts}")
+    (c, a, b), *_ = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)
+    fit = A @ np.array([c, a, b])
+    return {"call_s": float(c), "per_tensor_s": float(a), "per_element_s": float(b),
+            "residual_rel": float(np.max(np.abs(fit / y - 1.0)))}
