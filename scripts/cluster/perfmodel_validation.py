@@ -59,6 +59,24 @@ session 8) and after (the pinned probe, as the cells ran; docs/benchmarks.md "Se
     .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$P; done) \
         --before $B/perfmodel_validation_s10_before.json --md $B/perfmodel_validation_s10.md --json $B/perfmodel_validation_s10.json
 
+Session 11 (pm11): the same cells, the lead's quiet re-runs ``vgg16_2h_s11`` / ``ptb_2h_s11`` and the
+fp16 cells of clean_2h re-run (``perfmodel_validation_s11_clean_fp16``), all with the thread window fixed
+(a73aa81) in the new benches; before = the model of session 10, after = with the fp16 casts
+(``--fp16-cast``, the calibration of ``scripts/cluster/calibrate_fp16_cast.py``; docs/benchmarks.md
+"Session 11: the model")::
+
+    B=docs/benchmarks; P=$B/link_calibration_pinned_s10.json; C=$B/perfmodel_validation_s11_fp16_cast.json
+    CELLS="clean_2h_s9_quiet clean_2h_buckets_s9_r1 clean_2h_buckets_s9_r2 clean_2h_buckets_s9_r3 vgg16_2h_s10 ptb_2h_s10
+           vgg16_2h_s11 ptb_2h_s11 perfmodel_validation_s11_clean_fp16"
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$P; done) \
+        --json $B/perfmodel_validation_s11_before.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$P; done) \
+        --fp16-cast $C --before $B/perfmodel_validation_s11_before.json \
+        --md $B/perfmodel_validation_s11.md --json $B/perfmodel_validation_s11.json
+
+A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
+hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
+
 (the cells of sessions 4 and 7, on a quiet machine with a core per rank, use the quiet
 calibration; the older rows keep the calibration they were predicted with, taken with both ranks
 on one core. Left out as disturbed by another job (docs/benchmarks/step_profile.md and
@@ -82,6 +100,75 @@ sys.path.insert(0, ROOT)
 
 
 QUIET_LOAD = 5.0  # 1-minute load average below which a cell counts as "quiet" (2 cores; our own ranks add ~2)
+
+
+#: The thread_cpu window fix (commit a73aa81, 2026-12-02 09:13 UTC): before it, both runners closed a
+#: cell's per-step CPU window after the epoch's loop, whose exit tears the data iterator down (0.1-7 s),
+#: so every thread_cpu / hvd_mpi_cpu_s_per_step / run-queue figure of a bench started earlier holds it.
+THREAD_WINDOW_FIX_UTC = "2026-12-02T09:13:43Z"
+#: A cell's thread figures are used (the CPU term, the profile) only where its window holds its timed
+#: steps and no more: max over ranks of window_s / (steps x mean step) <= this (rule fixed at 11:20 UTC
+#: of session 11, before any session-11 cell was predicted).
+WINDOW_RATIO_OK = 1.10
+
+
+def thread_window_ratio(cell):
+    """``window_s / (steps x mean_step_time_s)`` of a bench cell's ``thread_cpu`` record, the largest
+    over its ranks (1.0: the window held exactly the timed steps; more: something else, e.g. the
+    data iterator's teardown before a73aa81); None when the cell has no per-rank window."""
+    ranks = (cell.get("thread_cpu") or {}).get("ranks") or []
+    step = cell.get("mean_step_time_s")
+    vals = [r["window_s"] / (r["steps"] * step) for r in ranks if r.get("window_s") and r.get("steps")]
+    return max(vals) if vals and step else None
+
+
+def thread_figures_valid(bench, cell):
+    """Whether a bench cell's per-thread CPU and run-queue figures hold only its timed steps: the bench
+    started after :data:`THREAD_WINDOW_FIX_UTC` and :func:`thread_window_ratio` <= :data:`WINDOW_RATIO_OK`.
+    Returns ``(valid, ratio, why)``."""
+    ratio = thread_window_ratio(cell)
+    started = str(bench.get("started_utc") or "")
+    if not started or started < THREAD_WINDOW_FIX_UTC:
+        return False, ratio, f"bench started {started or 'unrecorded'}, before the window fix (a73aa81)"
+    if ratio is None:
+        return False, None, "no per-rank window recorded"
+    if ratio > WINDOW_RATIO_OK:
+        return False, ratio, f"window {ratio:.2f} x the timed steps"
+    return True, ratio, "ok"
+
+
+def cell_profile(cell, co, exchange_s):
+    """Where a pinned 2-host bench cell's step went beyond its compute-only input, from the cell's own
+    per-thread records (``thread_cpu_s_per_step``, ``thread_runqueue_wait_s_per_step``: CPU and
+    run-queue wait per timed step, mean over ranks, /proc schedstat) and those of its compute-only
+    run ``co``; seconds per step. With one core per rank the step-critical threads (TensorFlow's
+    ``other`` pool and the ``main`` Python thread) either run, wait for the core (run queue), or are
+    blocked on the exchange, so::
+
+        blocked = step - (cpu_tf + cpu_main) - (wait_tf + wait_main)
+
+    and the model's error splits into ``d_cpu`` = the critical threads' CPU in the cell minus in the
+    compute-only run (work the compute input lacks: the fp16 casts, decoding the peer's payload),
+    ``d_wait`` = their run-queue wait minus the compute-only run's (the core held by another thread:
+    Horovod's background thread, the kernel's network work), and ``blocked - exchange_s`` (the
+    exchange took longer or shorter than the model's wire + coordination). Waits of two threads
+    may overlap, so ``blocked`` is a lower bound. None when a record lacks the figures."""
+    need = ("thread_cpu_s_per_step", "thread_runqueue_wait_s_per_step")
+    if not all(isinstance(cell.get(k), dict) and isinstance((co or {}).get(k), dict) for k in need):
+        return None
+    crit = ("other", "main")
+    try:
+        f = lambda rec, k: sum(float(rec[k][g]) for g in crit)  # noqa: E731
+        cpu, wait, cpu0, wait0 = (f(cell, need[0]), f(cell, need[1]), f(co, need[0]), f(co, need[1]))
+    except (KeyError, TypeError):
+        return None
+    step = float(cell["mean_step_time_s"])
+    blocked = step - cpu - wait
+    hv = lambda rec, k: float((rec.get(k) or {}).get("hvd_background") or 0.0)  # noqa: E731
+    return {"cpu_s": cpu, "wait_s": wait, "co_cpu_s": cpu0, "co_wait_s": wait0, "d_cpu_s": cpu - cpu0,
+            "d_wait_s": wait - wait0, "blocked_s": blocked, "exchange_s": float(exchange_s),
+            "d_blocked_s": blocked - float(exchange_s), "co_step_s": float(co["mean_step_time_s"]),
+            "hvd_cpu_s": hv(cell, need[0]), "hvd_wait_s": hv(cell, need[1])}
 
 
 def _load_range(load):
@@ -168,7 +255,7 @@ def hvd_mpi_cpu_term(cell_cpu_s, compute_only_cpu_s, exchange_s):
             "naive_term_s": max(0.0, extra)}
 
 
-def bench_rows(path, calibration, overhead_s=None, tbf=True):
+def bench_rows(path, calibration, overhead_s=None, tbf=True, fp16_cast=None):
     """Predicted vs measured step time of every ok cell of an ``hgsgc bench`` result JSON.
 
     Inputs, all measured in separate runs of the same bench: compute + compression = the method's
@@ -181,7 +268,11 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
     over the cell's timed steps (density per step
     from ``hgsgc.loop.density_schedule``); the link from the calibration (``put`` removed when the
     cell's mpirun arguments remove it); Horovod's cycle as hgsgc sets it (5 ms). No per-step
-    samples: the wait for the slowest rank is 0 here.
+    samples: the wait for the slowest rank is 0 here. ``fp16_cast``: a
+    ``calibrate_fp16_cast.py`` JSON (session 11): an fp16 cell on >= 2 hosts is charged the casts
+    around its allreduce as compression, :func:`hgsgc.perfmodel.fp16_cast_s` ``(shapes,
+    fp16_cast["fit"])`` (its compute-only step, a world of one, casts nothing); None: 0 (the
+    model before session 11).
     """
     import dataclasses
 
@@ -243,8 +334,13 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
         dens = density_schedule(cfg.compression)
         payload_model = pm.traffic(compression_from_config(cfg.compression), shapes).payload_bytes
         timed = range(1, int(cell["steps"]))  # the first step (graph tracing) is not in the mean
+        comp_cfg = compression_from_config(cfg.compression)
+        # fp16 (session 11): the casts around the allreduce, which the compute-only run (a world of
+        # one) skips, from the per-tensor-size calibration (perfmodel.fp16_cast_s)
+        cast_s = pm.fp16_cast_s(shapes, fp16_cast["fit"]) if fp16_cast and getattr(comp_cfg, "kind", None) == "fp16" \
+            and k >= 2 else 0.0
         if dens is None:
-            p = pm.predict_step(compute, 0.0, pm.traffic(compression_from_config(cfg.compression), shapes), k, link,
+            p = pm.predict_step(compute, cast_s, pm.traffic(comp_cfg, shapes), k, link,
                                 cycle_s=cal["cycle_s"], coordination_overhead_s=overhead_s)
         else:  # per step: the exchange at that step's density, averaged over the timed steps
             h = max(1, int(cfg.compression.delay))
@@ -261,6 +357,9 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
             p = {"compute_s": compute, "compression_s": 0.0, "wait_s": 0.0, **acc}
             p["step_s"] = sum(p.values())
         meas = cell["mean_step_time_s"]
+        valid, wratio, why = thread_figures_valid(d, cell)
+        co_rec = shared if basis == "shared" else alone
+        prof = cell_profile(cell, co_rec, p["wire_s"] + p["coordination_s"]) if valid else None
         cpu = None
         if cell.get("hvd_mpi_cpu_s_per_step") is not None:  # session 8: measured in the cell's run
             co = (shared if basis == "shared" else alone).get("hvd_mpi_cpu_s_per_step")
@@ -290,7 +389,9 @@ def bench_rows(path, calibration, overhead_s=None, tbf=True):
                               cell.get("load_after", [0])[0] if isinstance(cell.get("load_after"), list)
                               else cell.get("load_after", 0)],
                      "predicted": p, "measured_step_s": meas, "error": p["step_s"] / meas - 1,
-                     "calibration": cal["source"], "coordination_overhead_s": overhead_s, "error_dedicated": None})
+                     "calibration": cal["source"], "coordination_overhead_s": overhead_s, "error_dedicated": None,
+                     "fp16_cast_s": cast_s if fp16_cast else None,
+                     "thread_figures": {"valid": valid, "window_ratio": wratio, "why": why}, "profile": prof})
     return rows
 
 
@@ -314,6 +415,10 @@ def main(argv=None):
     ap.add_argument("--before", default=None, metavar="ROWS_JSON",
                     help="the --json of an earlier run of this script on the same cells (e.g. another "
                          "calibration): adds each cell's error there as 'error before' and its count")
+    ap.add_argument("--fp16-cast", default=None, metavar="CAST_JSON",
+                    help="charge fp16 cells on >= 2 ranks the casts around the allreduce as compression, "
+                         "perfmodel.fp16_cast_s with this calibrate_fp16_cast.py JSON's fit (default: none, "
+                         "the model before session 11)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -322,6 +427,12 @@ def main(argv=None):
     from hgsgc import perfmodel as pm
     from hgsgc.models import build_model
 
+    fp16_cast = None
+    if args.fp16_cast:
+        with open(args.fp16_cast) as f:
+            fp16_cast = json.load(f)
+        if not isinstance(fp16_cast, dict) or not isinstance(fp16_cast.get("fit"), dict):
+            ap.error(f"--fp16-cast {args.fp16_cast}: not a calibrate_fp16_cast.py JSON (no 'fit' object)")
     shapes_of = {}
     rows = []
     for path in args.results:
@@ -370,6 +481,11 @@ def main(argv=None):
         if in_step:  # no compression phase timed (session 7's buckets runs): the in-step CPU
             compression = in_step_compression_s(s, rounds)
         over = hvd_overhead_of(r) if args.measured_coordination else None
+        cast_s = None
+        if fp16_cast:  # compute_no_hvd casts nothing: the fp16 exchange's casts (session 11)
+            cast_s = pm.fp16_cast_s(shapes, fp16_cast["fit"]) if comp is hgsgc.Compression.fp16 \
+                and r["world_size"] >= 2 else 0.0
+            compression += cast_s
         p = pm.predict_step(compute, compression, pm.traffic(comp, shapes), r["world_size"], link,
                             cycle_s=cal["cycle_s"], wait_s=wait, coordination_overhead_s=over)
         meas = sum(s[x]["mean_ms_slowest_rank"] for x in rounds) / len(rounds) / 1e3
@@ -409,6 +525,7 @@ def main(argv=None):
                      "predicted": p, "measured_step_s": meas,
                      "error": p["step_s"] / meas - 1, "calibration": cal["source"],
                      "calibration_pinned": cal.get("pinned"), "predicted_cpu_inputs": p_cpu, "measured_minus_runqueue_s": meas_ded,
+                     "fp16_cast_s": cast_s,
                      "error_dedicated": (p_cpu["step_s"] / meas_ded - 1) if meas_ded else None})
     for path in args.bench:
         path, _, cal = path.partition("=")  # FILE=CALIBRATION: this bench's own calibration
@@ -425,7 +542,8 @@ def main(argv=None):
                 if vals else None
             print(f"bench cells: measured Horovod overhead per collective {over * 1e3:.1f} ms (median of "
                   f"{len(vals)} step-profile runs)", file=sys.stderr)
-        rows += bench_rows(path, cal or args.bench_calibration or args.calibration, over, tbf=not args.no_burst)
+        rows += bench_rows(path, cal or args.bench_calibration or args.calibration, over, tbf=not args.no_burst,
+                           fp16_cast=fp16_cast)
     before = None
     if args.before:
         with open(args.before) as f:
@@ -476,25 +594,51 @@ def main(argv=None):
         lines += ["", "Cells with the measured Horovod/MPI CPU (session 8, :func:`hvd_mpi_cpu_term`; ms per step; "
                   "`cell` / `compute-only` = CPU of Horovod's background thread + Open MPI's and PMIx's "
                   "progress threads, mean over ranks; `exchange` = predicted wire + coordination):", "",
-                  "| cell | loadavg | measured ms | predicted ms (no term) | error | cell CPU | compute-only CPU "
+                  "| cell | loadavg | window / timed steps | measured ms | predicted ms (no term) | error | cell CPU | compute-only CPU "
                   "| exchange | term | predicted with term | error | naive term | error |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in cpu_rows:
             c = x["hvd_mpi_cpu"]
-            lines.append(f"| `{x['run']}` | {_load_range(x['load'])} | {x['measured_step_s'] * 1e3:.1f} | "
+            tf_ = x.get("thread_figures") or {}
+            wr = tf_.get("window_ratio")
+            wtxt = ("-" if wr is None else f"{wr:.2f}") + ("" if tf_.get("valid", True) else " (superseded)")
+            lines.append(f"| `{x['run']}` | {_load_range(x['load'])} | {wtxt} | {x['measured_step_s'] * 1e3:.1f} | "
                          f"{x['predicted']['step_s'] * 1e3:.1f} | {100 * x['error']:+.0f} % | {c['cell_s'] * 1e3:.2f} | "
                          f"{c['compute_only_s'] * 1e3:.2f} | {c['exchange_s'] * 1e3:.2f} | {c['term_s'] * 1e3:.2f} | "
                          f"{c['predicted_cpu_term_s'] * 1e3:.1f} | {100 * c['error']:+.0f} % | "
                          f"{c['naive_term_s'] * 1e3:.2f} | {100 * c['error_naive']:+.0f} % |")
         lines.append("")
-        n = len(cpu_rows)
-        w = lambda key: sum(abs(key(x)) <= 0.15 for x in cpu_rows)
-        med = lambda key: sorted(abs(key(x)) for x in cpu_rows)[n // 2]
-        for label, key in (("no CPU term", lambda x: x["error"]),
-                           ("with the measured term", lambda x: x["hvd_mpi_cpu"]["error"]),
-                           ("with the naive term (all of it)", lambda x: x["hvd_mpi_cpu"]["error_naive"])):
-            lines.append(f"same {n} cells, {label}: within 15 %: {w(key)} of {n}, median |error| "
-                         f"{100 * med(key):.0f} %.  ")
+        for sel_label, sel in (("", cpu_rows),
+                               (f" whose window holds the timed steps (bench after a73aa81, window <= "
+                                f"{WINDOW_RATIO_OK:g} x)", [x for x in cpu_rows if (x.get("thread_figures") or {}).get("valid")])):
+            n = len(sel)
+            if not n or (sel_label and n == len(cpu_rows)):
+                continue
+            w = lambda key: sum(abs(key(x)) <= 0.15 for x in sel)  # noqa: E731
+            med = lambda key: sorted(abs(key(x)) for x in sel)[n // 2]  # noqa: E731
+            for label, key in (("no CPU term", lambda x: x["error"]),
+                               ("with the measured term", lambda x: x["hvd_mpi_cpu"]["error"]),
+                               ("with the naive term (all of it)", lambda x: x["hvd_mpi_cpu"]["error_naive"])):
+                lines.append(f"same {n} cells{sel_label}, {label}: within 15 %: {w(key)} of {n}, median |error| "
+                             f"{100 * med(key):.0f} %.  ")
+    prof_rows = [x for x in rows if x.get("profile")]
+    if prof_rows:
+        lines += ["", "Where each step went beyond its compute-only input (:func:`cell_profile`; cells whose thread "
+                  "window holds the timed steps; ms per step, mean over ranks; `cpu` / `wait` = CPU and run-queue "
+                  "wait of the step-critical threads, TensorFlow's pool + main; `blocked` = step - cpu - wait; "
+                  "`exchange` = the model's wire + coordination; hvd = Horovod's background thread):", "",
+                  "| cell | loadavg | measured ms | predicted ms | error | compute-only step | cpu (compute-only) "
+                  "| d cpu | wait (compute-only) | d wait | blocked | exchange | blocked - exchange | hvd cpu | hvd wait |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in prof_rows:
+            q = x["profile"]
+            ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+            lines.append(f"| `{x['run']}` | {_load_range(x['load'])} | {ms(x['measured_step_s'])} | "
+                         f"{ms(x['predicted']['step_s'])} | {100 * x['error']:+.1f} % | {ms(q['co_step_s'])} | "
+                         f"{ms(q['cpu_s'])} ({ms(q['co_cpu_s'])}) | {q['d_cpu_s'] * 1e3:+.1f} | {ms(q['wait_s'])} "
+                         f"({ms(q['co_wait_s'])}) | {q['d_wait_s'] * 1e3:+.1f} | {ms(q['blocked_s'])} | "
+                         f"{ms(q['exchange_s'])} | {q['d_blocked_s'] * 1e3:+.1f} | {ms(q['hvd_cpu_s'])} | "
+                         f"{ms(q['hvd_wait_s'])} |")
     text = "\n".join(lines)
     print(text)
     if args.md:
