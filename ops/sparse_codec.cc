@@ -13,9 +13,17 @@
 //   HgsgcCompressResidual(grad: float [any shape], residual: resource (float32 variable of
 //       numel entries), seed) [k, bits, sample_size, margin, index_coding] -> payload; the
 //       residual variable is updated in place (one read of grad and residual, one write of it)
-//   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset, index_coding]
+//   HgsgcCompressMomentum(grad: float [any shape], residual: resource, velocity: resource, seed)
+//       [k, bits, sample_size, margin, index_coding, momentum, masking] -> payload (session 11):
+//       HgsgcCompressResidual of u = momentum * velocity + grad (DGC momentum correction, Lin et
+//       al. 2018), the velocity set to u in the same pass and, with masking, cleared (+0) at the
+//       sent entries whose sent value is not 0 (the bits of HgsgcMomentumAccumulate +
+//       HgsgcCompressResidual + a one-row decode of the own payload + HgsgcMomentumMask)
+//   HgsgcDecodeAccumulate(gathered: uint8 [n, P]) [numel, k, bits, offset, index_coding, divisor]
 //       -> sum: float [numel] = sum over ranks r = 0..n-1, in rank order, of the dense tensor
-//          decoded from gathered[r, offset : offset + payload_length]
+//          decoded from gathered[r, offset : offset + payload_length], times float32(1 / divisor)
+//          when divisor > 1 (the average, session 11: the bits of `sum / n` in a tf.function,
+//          which grappler turns into a multiplication by the float32 reciprocal)
 //   index_coding ('fixed' default | 'elias_fano'): how the payload's indices are coded (layouts and
 //   lengths in hgsgc/compression/wire.py; EfEncode / EfDecode below); payload_length follows it.
 //   Checked (InvalidArgument): 0 <= k <= numel < 2^31 (int32 indices), bits 2 or 32, margin >= 1
@@ -285,12 +293,36 @@ inline int64_t ChunkBegin(int64_t c, int64_t chunks, int64_t n) { return n * c /
 
 // The values being selected from: either x itself, or a = g + r written to `out` on the fly
 // (the fused compensate pass of HgsgcCompress).
+// With a velocity (DGC momentum correction fused in, HgsgcCompressMomentum): u = m v + g (the
+// product rounded, then the sum: HgsgcMomentumAccumulate's two roundings), u written to vout
+// (which may be v itself), and a = u + r (r required then).
 struct Source {
   const float* g = nullptr;
   const float* r = nullptr;  // nullptr: a = g
   float* out = nullptr;      // where a = g + r is stored (required when r != nullptr)
-  float At(int64_t i) const { return r ? g[i] + r[i] : g[i]; }  // callers hold ScopedFlushDenormal
-  const float* Values() const { return r ? out : g; }           // valid after the first pass
+  const float* v = nullptr;  // velocity (nullptr: no momentum); then r != nullptr
+  float* vout = nullptr;     // where u = m v + g is stored (required when v != nullptr)
+  float m = 0.0f;
+  float U(int64_t i) const {  // callers hold ScopedFlushDenormal
+    if (!v) return g[i];
+    const float t = m * v[i];  // rounded (and flushed) before the sum, as tf.multiply
+    return t + g[i];
+  }
+  float At(int64_t i) const { return r ? U(i) + r[i] : g[i]; }
+  const float* Values() const { return r ? out : g; }  // valid after the first pass
+  // The fused compensate of entry i: writes u (with a velocity) and a; returns a.
+  float Compensate(int64_t i) const {
+    if (v) {
+      const float u = U(i);
+      vout[i] = u;
+      const float a = u + r[i];
+      out[i] = a;
+      return a;
+    }
+    const float a = g[i] + r[i];
+    out[i] = a;
+    return a;
+  }
 };
 
 // Exact radix select over all entries: the k-th largest PairKey (as key + index rule) among
@@ -381,7 +413,7 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
     if (!src.r) return;
     pool.For(chunks, kChunk * 3, [&](int64_t c) {
       for (int64_t i = ChunkBegin(c, chunks, n), e = ChunkBegin(c + 1, chunks, n); i < e; ++i)
-        src.out[i] = src.g[i] + src.r[i];
+        src.Compensate(i);
     });
   };
   if (k == 0 || k == n) {
@@ -446,7 +478,19 @@ int SelectTopK(const Pool& pool, const Source& src, int64_t n, int64_t k, int64_
         }
       }
     };
-    if (src.r) {
+    if (src.v) {
+      const float m = src.m;
+      const float *g = src.g, *r = src.r, *v = src.v;
+      float *out = src.out, *vout = src.vout;
+      for (int64_t i = b; i < e; ++i) {
+        const float t = m * v[i];  // u = m v + g: two roundings, as HgsgcMomentumAccumulate
+        const float u = t + g[i];
+        vout[i] = u;
+        const float a = u + r[i];
+        out[i] = a;
+        visit(i, a);
+      }
+    } else if (src.r) {
       for (int64_t i = b; i < e; ++i) {
         const float a = src.g[i] + src.r[i];
         src.out[i] = a;
@@ -651,8 +695,14 @@ class TopkSelectOp : public OpKernel {
 template <>
 struct CompressFunctor<CPUDevice> {
   // residual / new_residual: float [n] or nullptr (no error feedback); they may alias (in place).
+  // velocity / new_velocity (HgsgcCompressMomentum; nullptr otherwise, and then residual is set):
+  // u = m v + g is written to new_velocity (may alias velocity) and compressed in place of grad;
+  // with masking, new_velocity is then cleared (+0) at the selected entries whose sent value is
+  // not 0 (DGC's momentum factor masking, the bits of HgsgcMomentumMask).
   void operator()(OpKernelContext* ctx, const SelectAttrs& at, int bits, bool ef, const Tensor& grad,
-                  const float* residual, float* new_residual, uint64_t seed, Tensor* payload) {
+                  const float* residual, float* new_residual, uint64_t seed, Tensor* payload,
+                  const float* velocity = nullptr, float* new_velocity = nullptr,
+                  float momentum = 0.0f, bool masking = false) {
     const Pool pool(ctx);
     const int64_t n = grad.NumElements(), k = at.k;
     Source src;
@@ -660,6 +710,11 @@ struct CompressFunctor<CPUDevice> {
     if (residual != nullptr) {
       src.r = residual;
       src.out = new_residual;
+    }
+    if (velocity != nullptr) {
+      src.v = velocity;
+      src.vout = new_velocity;
+      src.m = momentum;
     }
     std::vector<int32_t> idx(k);
     SelectTopK(pool, src, n, k, at.sample_size, at.margin, seed, idx.data());
@@ -671,6 +726,11 @@ struct CompressFunctor<CPUDevice> {
       ::tensorflow::port::ScopedFlushDenormal flush;
       float* out = src.out;
       for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] - sent[j];
+      if (velocity != nullptr && masking) {  // DAZ: a subnormal sent value compares equal to 0
+        float* vout = src.vout;
+        for (int64_t j = 0; j < k; ++j)
+          if (!(sent[j] == 0.0f)) vout[idx[j]] = 0.0f;
+      }
     }
   }
 };
@@ -773,6 +833,79 @@ class CompressResidualOp : public OpKernel {
   bool ef_ = false;
 };
 
+// HgsgcCompressResidual with DGC momentum correction folded in (session 11): the velocity, a
+// second resource variable, is read and written in the same pass (u = m v + g, v := u, a = u + r),
+// and with `masking` cleared at the sent entries afterwards. One op per tensor where the composed
+// path ran HgsgcMomentumAccumulate + HgsgcCompressResidual + a dense decode of the own payload +
+// HgsgcMomentumMask: no dense temporary, two dense read-write streams (v, r) and one read (g).
+// Both variables are locked (in address order); each is written copy-on-write when its buffer is
+// shared, in place otherwise.
+template <typename Device>
+class CompressMomentumOp : public OpKernel {
+ public:
+  explicit CompressMomentumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadSelectAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
+    OP_REQUIRES_OK(ctx, CheckBits("HgsgcCompressMomentum", bits_));
+    OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcCompressMomentum", &ef_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &momentum_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("masking", &masking_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(3).shape()),
+                errors::InvalidArgument("HgsgcCompressMomentum: seed must be an int64 scalar"));
+    const int64_t n = grad.NumElements();
+    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
+                errors::InvalidArgument("HgsgcCompressMomentum: grad has ", n,
+                                        " entries; at most 2^31 - 1 are supported"));
+    OP_REQUIRES(ctx, attrs_.k <= n,
+                errors::InvalidArgument("HgsgcCompressMomentum: k = ", attrs_.k, " exceeds numel = ", n));
+    ::tensorflow::core::RefCountPtr<::tensorflow::Var> rvar, vvar;
+    OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 1), &rvar));
+    OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 2), &vvar));
+    OP_REQUIRES(ctx, rvar.get() != vvar.get(),
+                errors::InvalidArgument("HgsgcCompressMomentum: the residual and the velocity must "
+                                        "be two different variables"));
+    // lock both in address order (no other op locks this pair in the other order)
+    ::tensorflow::mutex* m1 = rvar->mu();
+    ::tensorflow::mutex* m2 = vvar->mu();
+    if (m2 < m1) std::swap(m1, m2);
+    ::tensorflow::mutex_lock lock1(*m1);
+    ::tensorflow::mutex_lock lock2(*m2);
+    Tensor* res = rvar->tensor();
+    Tensor* vel = vvar->tensor();
+    for (const auto& [t, what] : {std::pair<Tensor*, const char*>{res, "residual"}, {vel, "velocity"}}) {
+      OP_REQUIRES(ctx, t->IsInitialized() && t->dtype() == ::tensorflow::DT_FLOAT && t->NumElements() == n,
+                  errors::InvalidArgument("HgsgcCompressMomentum: the ", what, " variable must be "
+                                          "an initialized float32 variable of ", n, " entries, got ",
+                                          t->IsInitialized() ? t->shape().DebugString() : "uninitialized"));
+    }
+    Tensor* payload = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_, ef_)}),
+                                             &payload));
+    // someone holds the old value of a variable: write it to a new buffer (copy-on-write)
+    Tensor rfresh, vfresh;
+    const bool rcopy = rvar->copy_on_read_mode.load() || !res->RefCountIsOne();
+    const bool vcopy = vvar->copy_on_read_mode.load() || !vel->RefCountIsOne();
+    if (rcopy) OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, res->shape(), &rfresh));
+    if (vcopy) OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, vel->shape(), &vfresh));
+    CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, res->flat<float>().data(),
+                              (rcopy ? &rfresh : res)->flat<float>().data(), SeedOf(ctx->input(3)),
+                              payload, vel->flat<float>().data(),
+                              (vcopy ? &vfresh : vel)->flat<float>().data(), momentum_, masking_);
+    if (rcopy) *res = rfresh;
+    if (vcopy) *vel = vfresh;
+  }
+
+ private:
+  SelectAttrs attrs_;
+  int bits_ = 2;
+  bool ef_ = false;
+  float momentum_ = 0.0f;
+  bool masking_ = true;
+};
+
 template <>
 struct SparseEncodeFunctor<CPUDevice> {
   void operator()(OpKernelContext* ctx, int64_t numel, int bits, bool ef, const Tensor& indices,
@@ -842,8 +975,12 @@ struct PayloadView {
 
 template <>
 struct DecodeAccumulateFunctor<CPUDevice> {
+  // divisor d > 1: every entry of the sum multiplied by float32(1 / d) after the last rank's add
+  // (the average: what `sum / float(d)` computed inside every tf.function before, where grappler's
+  // constant folding turns a division by a constant into a multiplication by its float32
+  // reciprocal; one rounding, under flush-to-zero); 1: the sum as it is.
   void operator()(OpKernelContext* ctx, int64_t numel, int64_t k, int bits, bool ef, int64_t offset,
-                  const Tensor& gathered, Tensor* sum) {
+                  const Tensor& gathered, Tensor* sum, int64_t divisor = 1) {
     const Pool pool(ctx);
     const int64_t n = gathered.dim_size(0), P = gathered.dim_size(1);
     float* out = sum->flat<float>().data();
@@ -851,10 +988,12 @@ struct DecodeAccumulateFunctor<CPUDevice> {
     if (k == 0 || n == 0) {
       pool.For(chunks, kChunk, [&](int64_t c) {
         const int64_t b = ChunkBegin(c, chunks, numel), e = ChunkBegin(c + 1, chunks, numel);
-        std::memset(out + b, 0, sizeof(float) * (e - b));
+        std::memset(out + b, 0, sizeof(float) * (e - b));  // 0 / d = +0
       });
       return;
     }
+    volatile float one = 1.0f;  // the reciprocal rounded to float32 once, as grappler folds it
+    const float recip = one / static_cast<float>(divisor);
     const int w = IndexWidth(numel);
     const uint8_t* base = gathered.flat<uint8_t>().data();
     std::vector<PayloadView> pv(n);
@@ -957,6 +1096,9 @@ struct DecodeAccumulateFunctor<CPUDevice> {
           }
         }
       }
+      if (divisor != 1 && !failed) {
+        for (int64_t i = cb; i < ce; ++i) out[i] = out[i] * recip;
+      }
     });
     if (!err.empty()) ctx->CtxFailure(errors::InvalidArgument("HgsgcDecodeAccumulate: ", err));
   }
@@ -970,6 +1112,10 @@ class DecodeAccumulateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("offset", &offset_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("divisor", &divisor_));
+    OP_REQUIRES(ctx, divisor_ >= 1 && divisor_ <= (int64_t{1} << 24),
+                errors::InvalidArgument("HgsgcDecodeAccumulate: divisor must be in [1, 2^24] (exact "
+                                        "as a float32), got ", divisor_));
     OP_REQUIRES_OK(ctx, CheckBits("HgsgcDecodeAccumulate", bits_));
     OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcDecodeAccumulate", &ef_));
     OP_REQUIRES(ctx, numel_ >= 0 && numel_ < (int64_t{1} << 31) && k_ >= 0 && k_ <= numel_ && offset_ >= 0,
@@ -990,11 +1136,11 @@ class DecodeAccumulateOp : public OpKernel {
                                         " bytes at offset ", offset_));
     Tensor* sum = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &sum));
-    DecodeAccumulateFunctor<Device>()(ctx, numel_, k_, bits_, ef_, offset_, gathered, sum);
+    DecodeAccumulateFunctor<Device>()(ctx, numel_, k_, bits_, ef_, offset_, gathered, sum, divisor_);
   }
 
  private:
-  int64_t numel_ = 0, k_ = 0, offset_ = 0;
+  int64_t numel_ = 0, k_ = 0, offset_ = 0, divisor_ = 1;
   int bits_ = 2;
   bool ef_ = false;
 };
@@ -1113,6 +1259,39 @@ REGISTER_OP("HgsgcCompressResidual")
     })
     .Doc("HgsgcCompress with the residual a float32 resource variable (any shape) updated in place.");
 
+REGISTER_OP("HgsgcCompressMomentum")
+    .Input("grad: float")
+    .Input("residual: resource")
+    .Input("velocity: resource")
+    .Input("seed: int64")
+    .Output("payload: uint8")
+    .Attr("k: int >= 0")
+    .Attr("bits: int")
+    .Attr("sample_size: int = 1024")
+    .Attr("margin: float = 1.5")
+    .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
+    .Attr("momentum: float")
+    .Attr("masking: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      int64_t k = 0;
+      int bits = 0;
+      bool ef = false;
+      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcCompressMomentum", &ef));
+      int64_t n = -1;
+      if (c->FullyDefined(c->input(0))) {
+        n = 1;
+        for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
+      }
+      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) && k <= n ? c->MakeDim(PayloadLength(n, k, bits, ef))
+                                                                     : c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("HgsgcCompressResidual of u = momentum * velocity + grad, the velocity (a float32 resource "
+         "variable) set to u and, with masking, cleared where the sent value is not 0.");
+
 REGISTER_OP("HgsgcDecodeAccumulate")
     .Input("gathered: uint8")
     .Output("sum: float")
@@ -1121,18 +1300,22 @@ REGISTER_OP("HgsgcDecodeAccumulate")
     .Attr("bits: int")
     .Attr("offset: int = 0")
     .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
+    .Attr("divisor: int = 1")
     .SetShapeFn([](InferenceContext* c) -> Status {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &unused));
       return VectorOfAttr(c, 0, "numel");
     })
-    .Doc("Rank-order sum of the dense tensors decoded from every row's payload at `offset`.");
+    .Doc("Rank-order sum of the dense tensors decoded from every row's payload at `offset`, "
+         "times float32(1 / divisor) (1: the sum).");
 
 REGISTER_KERNEL_BUILDER(Name("HgsgcTopkSelect").Device(DEVICE_CPU), TopkSelectOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcSparseEncode").Device(DEVICE_CPU), SparseEncodeOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcCompress").Device(DEVICE_CPU), CompressOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcCompressResidual").Device(DEVICE_CPU).HostMemory("seed"),
                         CompressResidualOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HgsgcCompressMomentum").Device(DEVICE_CPU).HostMemory("seed"),
+                        CompressMomentumOp<CPUDevice>);
 REGISTER_KERNEL_BUILDER(Name("HgsgcDecodeAccumulate").Device(DEVICE_CPU),
                         DecodeAccumulateOp<CPUDevice>);
 

@@ -468,9 +468,42 @@ def phase_functions(cfg, names, grads, index_coding, exchange_only=False):
             return scal(vel)
         fn("mask + velocity assign (kernel) + read", mask_kernel)
         fn("read velocity (to subtract from the row above)", lambda: scal(vel))
+    if hasattr(kernels, "compress_momentum_into"):  # session 11
+        res2 = [tf.Variable(tf.zeros([n])) for n in numels]
+        vel2 = [tf.Variable(v.read_value()) for v in vel]
+        fn("momentum+compress+mask 2-bit: session 10's 4 kernels (composed)", lambda: scal(
+            [kernels._compress_momentum_composed(f, r, v, m, k, 2, True, 1024, 1.5, seed, "custom",
+                                                 index_coding)
+             for f, r, v, k in zip(flat, res2, vel2, ks)]))
+        fn("momentum+compress+mask 2-bit: HgsgcCompressMomentum (fused)", lambda: scal(
+            [kernels.compress_momentum_into(f, r, v, m, k, 2, True, seed=seed, backend="custom",
+                                            index_coding=index_coding)
+             for f, r, v, k in zip(flat, res2, vel2, ks)]))
+        two = [tf.concat([tf.reshape(p, [1, -1])] * 2, 0) for p in pay[2]]
+        fn("decode-accumulate n=2 2-bit, then / 2 in TF", lambda: scal(
+            [kernels.decode_accumulate(g2, n, k, 2, backend="custom", index_coding=index_coding) / 2.0
+             for g2, n, k in zip(two, numels, ks)]))
+        fn("decode-accumulate n=2 2-bit, / 2 in the kernel", lambda: scal(
+            [kernels.decode_accumulate(g2, n, k, 2, backend="custom", index_coding=index_coding,
+                                       divisor=2) for g2, n, k in zip(two, numels, ks)]))
+    from hgsgc.compression import wrappers
+
+    def exchange_fn(ex, fold):
+        def body():
+            old_fold = wrappers.FOLD_MOMENTUM
+            wrappers.FOLD_MOMENTUM = fold  # read at trace time
+            try:
+                return scal(ex.exchange(grads, names))
+            finally:
+                wrappers.FOLD_MOMENTUM = old_fold
+        return body
+
     for label, comp in (("SGC", sgc), ("top-k", topk), ("fp16", DenseCompression("fp16"))):
         ex = Exchanger(comp, momentum=m if getattr(comp, "momentum_correction", False) else None)
-        fn(f"whole exchange: {label}", lambda ex=ex: scal(ex.exchange(grads, names)))
+        fn(f"whole exchange: {label}", exchange_fn(ex, True))
+        if label == "SGC" and hasattr(kernels, "compress_momentum_into") and sgc.momentum_correction:
+            ex2 = Exchanger(comp, momentum=m)
+            fn("whole exchange: SGC, momentum not folded (session 10 kernels)", exchange_fn(ex2, False))
     return fns, sum(numels), len(numels)
 
 

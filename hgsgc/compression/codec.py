@@ -99,12 +99,14 @@ class TopKCodec:
         idx, vals = decode(payload, numel, self.k(numel), self.bits, self.index_coding)
         return tf.scatter_nd(idx[:, None], vals, [numel])
 
-    def decode_sum(self, gathered, numel: int, offset: int):
+    def decode_sum(self, gathered, numel: int, offset: int, divisor: int = 1):
         """Rank-order sum of every row's payload at byte ``offset`` of uint8 ``gathered``
         ``[n, P]``: float32 ``[numel]`` (``hgsgc.compression.kernels.decode_accumulate``: one pass per payload,
-        no per-rank dense tensor; pure-TF reference: one ``tf.scatter_nd`` of all entries)."""
+        no per-rank dense tensor; pure-TF reference: one ``tf.scatter_nd`` of all entries),
+        times float32 ``1 / divisor`` when ``divisor > 1`` (the average, scaled by the kernel
+        per entry right after its sum: ``kernels.decode_accumulate``)."""
         return kernels.decode_accumulate(gathered, numel, self.k(numel), self.bits, offset=offset,
-                                         index_coding=self.index_coding)
+                                         index_coding=self.index_coding, divisor=divisor)
 
     def compress_into(self, x, residual, ctx):
         """Error feedback fused with encoding: ``a = x + residual``, payload of ``a``'s top-k,
@@ -119,3 +121,20 @@ class TopKCodec:
         numel = int(x.shape[0])
         return kernels.compress_into(x, residual, self.k(numel), self.bits, seed=ctx.step,
                                      index_coding=self.index_coding)
+
+    def compress_momentum_into(self, x, residual, velocity, momentum: float, masking: bool, ctx):
+        """DGC momentum correction fused with :meth:`compress_into`: ``u = m v + x``,
+        ``v = u`` (masked at the sent entries with ``masking``), the payload of ``u + residual``
+        (``hgsgc.compression.kernels.compress_momentum_into``).
+
+        Args:
+            x: float32 ``[numel]``; residual, velocity: float32 ``tf.Variable`` of ``numel``
+                entries each; momentum: ``m`` (float); masking: bool.
+
+        Returns:
+            uint8 ``[payload_length(numel)]``.
+        """
+        numel = int(x.shape[0])
+        return kernels.compress_momentum_into(x, residual, velocity, momentum, self.k(numel),
+                                              self.bits, masking, seed=ctx.step,
+                                              index_coding=self.index_coding)

@@ -6,10 +6,16 @@ argument checks and gives each a reference in plain TensorFlow that returns the 
 for bit: :func:`topk_select` / :func:`topk_select_reference` (``sparsify.sampled_threshold_topk``),
 :func:`sparse_encode` / :func:`sparse_encode_reference` (``wire.encode``), :func:`compress` /
 :func:`compress_into` / :func:`compress_reference` (compensate + select + encode + residual
-update in one pass) and :func:`decode_accumulate` / :func:`decode_accumulate_reference`
-(decode + dequantize + rank-order sum of all n gathered payloads). ``codec.TopKCodec`` calls them.
+update in one pass), :func:`decode_accumulate` / :func:`decode_accumulate_reference`
+(decode + dequantize + rank-order sum of all n gathered payloads, optionally ``/ n``),
+:func:`momentum_accumulate` / :func:`momentum_mask` (DGC momentum correction, session 10) and
+:func:`compress_momentum_into` / :func:`compress_momentum_into_reference` (momentum correction,
+error feedback, selection, encoding and masking in one pass, session 11). ``codec.TopKCodec``
+calls them.
 """
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +28,7 @@ __all__ = ["DEFAULT_SAMPLE_SIZE", "DEFAULT_MARGIN", "topk_select", "topk_select_
            "sparse_encode", "sparse_encode_reference", "compress", "compress_reference",
            "compress_into", "decode_accumulate", "decode_accumulate_reference",
            "momentum_accumulate", "momentum_accumulate_reference", "momentum_mask",
-           "momentum_mask_reference"]
+           "momentum_mask_reference", "compress_momentum_into", "compress_momentum_into_reference"]
 
 # ------------------------------------------------------------------------------------------------
 # Fused sparse-compression kernels (ops/sparse_codec.cc) and their references.
@@ -314,7 +320,31 @@ def _check_gathered(gathered, numel, k, bits, offset, index_coding="fixed"):
     return gathered, numel, k, bits, int(offset), p
 
 
-def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_coding="fixed"):
+def _check_divisor(divisor):
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, np.integer)) \
+            or not 1 <= int(divisor) <= 2**24:
+        raise ValueError(f"divisor must be a Python int in [1, 2^24] (exact as a float32; the "
+                         f"number of ranks for the average), got {divisor!r}")
+    return int(divisor)
+
+
+def _decode_lib(divisor):
+    """The loaded library, when its HgsgcDecodeAccumulate takes ``divisor`` (or none is asked),
+    else None (a library built before session 11: divide in TF)."""
+    lib = ops.load()
+    if divisor == 1:
+        return lib
+    key = id(lib)
+    if key not in _HAS_DIVISOR:
+        _HAS_DIVISOR[key] = "divisor" in inspect.signature(lib.hgsgc_decode_accumulate).parameters
+    return lib if _HAS_DIVISOR[key] else None
+
+
+_HAS_DIVISOR = {}  # id(loaded library) -> whether its HgsgcDecodeAccumulate has the divisor attr
+
+
+def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_coding="fixed",
+                      divisor=1):
     """Decode, dequantize and sum every rank's payload of one tensor, in rank order.
 
     ``sum[i] = ((0 + v_0[i]) + v_1[i]) + ... + v_{n-1}[i]`` over the ranks that sent entry ``i``
@@ -331,6 +361,11 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
         numel, k, bits: the tensor's entries, entries sent per rank, 2 or 32 (Python ints).
         offset: byte offset of the payload in each row. backend: see :func:`topk_select`.
         index_coding: ``"fixed"`` or ``"elias_fano"`` (how the payloads' indices are coded).
+        divisor: Python int in ``[1, 2^24]``; ``d > 1`` returns ``sum * float32(1 / d)`` (the
+            average over ``d`` ranks, each entry scaled right after its sum: the bits of
+            ``sum / float(d)`` inside a ``tf.function``, which grappler's constant folding turns
+            into a multiplication by the float32 reciprocal; eager TF would divide exactly,
+            up to 1 ulp apart for d not a power of 2); 1: the sum.
 
     Returns:
         float32 ``[numel]``.
@@ -342,22 +377,42 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
             on ``index_coding``); rows shorter than ``offset`` + the payload length when ``P``
             is not static (a static ``P`` is a ValueError); ``numel >= 2^31`` (custom). The
             reference adds out-of-order indices without an error.
-        ValueError: bad shapes, ``k``, ``bits``, ``offset`` or ``index_coding``; ``numel >=
-            2^31`` (reference).
+        ValueError: bad shapes, ``k``, ``bits``, ``offset``, ``index_coding`` or ``divisor``;
+            ``numel >= 2^31`` (reference).
         RuntimeError: the custom library is missing (``backend="custom"``) or predates
             ``index_coding`` (``"elias_fano"``: rebuild it).
     """
     gathered, numel, k, bits, offset, _ = _check_gathered(gathered, numel, k, bits, offset, index_coding)
+    divisor = _check_divisor(divisor)
     if ops._resolve_compression(backend) == "reference":
-        return decode_accumulate_reference(gathered, numel, k, bits, offset, index_coding)
-    return _call(ops.load().hgsgc_decode_accumulate, gathered, numel=numel, k=k, bits=bits,
-                 offset=offset, **_coding_attr(index_coding))
+        return decode_accumulate_reference(gathered, numel, k, bits, offset, index_coding, divisor)
+    lib = _decode_lib(divisor)
+    if lib is None:  # a library without the divisor attribute: the same scaling in TF
+        return _call(ops.load().hgsgc_decode_accumulate, gathered, numel=numel, k=k, bits=bits,
+                     offset=offset, **_coding_attr(index_coding)) * reciprocal(divisor)
+    extra = {"divisor": divisor} if divisor != 1 else {}
+    return _call(lib.hgsgc_decode_accumulate, gathered, numel=numel, k=k, bits=bits,
+                 offset=offset, **_coding_attr(index_coding), **extra)
 
 
-def decode_accumulate_reference(gathered, numel, k, bits, offset=0, index_coding="fixed"):
+def decode_accumulate_reference(gathered, numel, k, bits, offset=0, index_coding="fixed", divisor=1):
     """Reference of :func:`decode_accumulate`: ``codec.decode`` of every rank's payload, then one
     ``tf.scatter_nd`` of all entries concatenated in rank order (its CPU kernel adds the updates
-    one after another from +0: the strict rank-order sum, in eager and graph mode alike)."""
+    one after another from +0: the strict rank-order sum, in eager and graph mode alike); with
+    ``divisor`` > 1, that sum times :func:`reciprocal` ``(divisor)`` (a TF Mul)."""
+    divisor = _check_divisor(divisor)
+    total = _decode_accumulate_reference_sum(gathered, numel, k, bits, offset, index_coding)
+    return total * reciprocal(divisor) if divisor != 1 else total
+
+
+def reciprocal(n):
+    """float32 ``1 / n`` rounded once (numpy): the factor of an average over ``n`` ranks. Inside a
+    ``tf.function`` TF computes ``x / float(n)`` as ``x * reciprocal(n)`` (grappler's constant
+    folding); multiplying explicitly gives the same bits in eager mode too."""
+    return tf.constant(np.float32(1.0) / np.float32(n), tf.float32)
+
+
+def _decode_accumulate_reference_sum(gathered, numel, k, bits, offset, index_coding):
     gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     idxs, vals = [], []
     for r in range(int(gathered.shape[0])):
@@ -448,3 +503,103 @@ def momentum_mask(velocity, u, sent, backend=None):
 def momentum_mask_reference(velocity, u, sent):
     """Reference of :func:`momentum_mask`: ``v.assign(tf.where(tf.equal(sent, 0.0), u, 0.0))``."""
     return velocity.assign(tf.reshape(tf.where(tf.equal(sent, 0.0), u, 0.0), velocity.shape))
+
+
+# ------------------------------------------------------------------------------------------------
+# DGC momentum correction folded into the compression (ops/sparse_codec.cc HgsgcCompressMomentum),
+# session 11.
+
+def _compress_momentum_lib(backend):
+    """The loaded library when the fused momentum + compression kernel runs under ``backend``,
+    else None (reference backend, or a library built before session 11)."""
+    if ops._resolve_compression(backend) == "reference":
+        return None
+    lib = ops.load()
+    return lib if hasattr(lib, "hgsgc_compress_momentum") else None
+
+
+def compress_momentum_into(grad, residual, velocity, momentum, k, bits, masking=True,
+                           sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN, seed=None,
+                           backend=None, index_coding="fixed"):
+    """DGC momentum correction, error feedback and the sparse encoding of one tensor in one pass.
+
+    Deep Gradient Compression (Lin et al., ICLR 2018, Sec. 3.2) with error feedback: ``u = m v +
+    g`` (momentum correction), ``a = u + residual``, ``payload = encode(top-k(a))``,
+    ``residual = a - scatter(idx, sent)``, ``velocity = u`` and, with ``masking`` (momentum
+    factor masking), ``velocity[i] = +0`` where the sent value ``sent[i]`` is not 0 (a subnormal
+    counts as 0, NaN as sent: ``tf.equal`` on TF's CPU). The kernel (``HgsgcCompressMomentum``)
+    reads ``g``, ``v`` and the residual once and writes both variables in place (copy-on-write
+    when a read of one is still alive); the composed path it replaces ran
+    :func:`momentum_accumulate`, :func:`compress_into`, a one-row :func:`decode_accumulate` of
+    the own payload and :func:`momentum_mask`, and its results are the same bits
+    (:func:`compress_momentum_into_reference`, ``tests/test_kernels11.py``).
+
+    Args:
+        grad: float32 tensor of any static shape, ``numel`` entries.
+        residual, velocity: two different float32 ``tf.Variable`` of ``numel`` entries each.
+        momentum: ``m`` (Python float, used as float32; ``MomentumCorrection`` sends ``m = 0``
+            elsewhere: in graphs grappler folds the reference's ``0 * v``).
+        k: Python int in ``[0, numel]``; bits: 2 or 32; masking: bool.
+        sample_size, margin, seed, backend, index_coding: as :func:`compress_into`.
+
+    Returns:
+        payload uint8 ``[wire.payload_length(numel, k, bits, index_coding)]``; both variables
+        are updated (inside a ``tf.function`` ordered by automatic control dependencies).
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, ``k``, ``bits``, ``sample_size``,
+            ``margin``, ``index_coding``, or the residual and the velocity are one variable.
+        RuntimeError: the custom library is missing (``backend="custom"``).
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
+        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
+    numel = int(grad.shape.num_elements())
+    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
+            or residual.shape.num_elements() != numel:
+        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    _check_velocity(velocity, numel, "compress_momentum_into")
+    if velocity is residual:
+        raise ValueError("compress_momentum_into: residual and velocity must be two different "
+                         "variables (the residual e and DGC's velocity u)")
+    k = _check_k(k, numel)
+    bits = _check_bits(bits)
+    sample_size, margin = _check_select_args(sample_size, margin)
+    wire.check_index_coding(index_coding)
+    lib = _compress_momentum_lib(backend)
+    if lib is None:
+        return _compress_momentum_composed(grad, residual, velocity, momentum, k, bits, masking,
+                                           sample_size, margin, seed, backend, index_coding)
+    return lib.hgsgc_compress_momentum(grad, residual.handle, velocity.handle, _seed64(seed), k=k,
+                                       bits=bits, momentum=float(momentum), masking=bool(masking),
+                                       sample_size=sample_size, margin=margin,
+                                       index_coding=index_coding)
+
+
+def _compress_momentum_composed(grad, residual, velocity, momentum, k, bits, masking, sample_size,
+                                margin, seed, backend, index_coding):
+    """The session-10 composition of :func:`compress_momentum_into` (each step under ``backend``)."""
+    numel = int(grad.shape.num_elements())
+    u = momentum_accumulate(velocity, tf.reshape(grad, [-1]), momentum, backend=backend)
+    payload = compress_into(u, residual, k, bits, sample_size, margin, seed, backend=backend,
+                            index_coding=index_coding)
+    if masking:
+        sent = decode_accumulate(tf.reshape(payload, [1, -1]), numel, k, bits, 0, backend=backend,
+                                 index_coding=index_coding)
+        upd = momentum_mask(velocity, u, sent, backend=backend)
+    else:
+        upd = velocity.assign(tf.reshape(u, velocity.shape))
+    with tf.control_dependencies([upd] if upd is not None else []):
+        return tf.identity(payload)
+
+
+def compress_momentum_into_reference(grad, residual, velocity, momentum, k, bits, masking=True,
+                                     sample_size=DEFAULT_SAMPLE_SIZE, margin=DEFAULT_MARGIN,
+                                     seed=None, index_coding="fixed"):
+    """Reference of :func:`compress_momentum_into` in TF ops: ``u = m * v + g``,
+    :func:`compress_reference` of ``u`` with the residual assigned, the own payload decoded
+    (``wire.decode`` + ``tf.scatter_nd``) and ``v.assign(tf.where(tf.equal(sent, 0.0), u, 0.0))``
+    (or ``v.assign(u)`` without masking)."""
+    return compress_momentum_into(grad, residual, velocity, momentum, k, bits, masking,
+                                  sample_size, margin, seed, backend="reference",
+                                  index_coding=index_coding)

@@ -133,17 +133,26 @@ class Allgather(Reducer):
         self.codec = codec
         self.buckets = buckets
 
-    def reduce(self, views, names, ctx: Context, residuals=None):
+    def reduce(self, views, names, ctx: Context, residuals=None, momentum=None):
         """See :class:`Reducer`. ``residuals`` (error feedback fused into the codec, from
         :class:`hgsgc.compression.wrappers.ErrorFeedback`): one float32 ``tf.Variable`` per view;
         the codec's ``compress_into`` compensates, encodes and updates them in place, and the
-        views are the uncompensated tensors."""
+        views are the uncompensated tensors. ``momentum`` (with ``residuals``; DGC momentum
+        correction fused in, from :class:`hgsgc.compression.wrappers.MomentumCorrection`):
+        ``(velocities, m, masking)``, one float32 ``tf.Variable`` per view; the codec's
+        ``compress_momentum_into`` forms ``u = m v + x``, compresses ``u`` as above and leaves
+        the (masked) ``u`` in the velocity; the views are then the raw tensors ``x``."""
         n = ctx.comm.size
         payloads, sents, sizes = [], [], []
         for i, a in enumerate(views):
-            if residuals is not None:
+            if residuals is not None and momentum is not None:
+                vels, m, masking = momentum
+                payload = self.codec.compress_momentum_into(a, residuals[i], vels[i], m, masking, ctx)
+            elif residuals is not None:
                 payload = self.codec.compress_into(a, residuals[i], ctx)
-                # the dense sent tensor (DGC's masking reads it; pruned in graphs if unused):
+            if residuals is not None:
+                # the dense sent tensor (contributed; DGC's masking read it before session 11,
+                # now done inside HgsgcCompressMomentum; pruned in graphs when unused):
                 # the payload decoded as a one-row decode_sum (HgsgcDecodeAccumulate with the
                 # kernels: one op per tensor, where codec.decode runs ~20 TF ops); the same bits
                 # as codec.decode (tests/test_kernels10.py)
@@ -163,13 +172,16 @@ class Allgather(Reducer):
             off = 0
             for i in group:
                 numel, p = int(views[i].shape[0]), sizes[i]
-                if hasattr(self.codec, "decode_sum"):  # all n payloads in one pass each (hgsgc.ops)
-                    total = self.codec.decode_sum(gathered, numel, off)
+                if hasattr(self.codec, "decode_sum"):
+                    # all n payloads in one pass each, and the average's scaling by float32(1/n)
+                    # in the same kernel (the bits that `total / float(n)` gave inside a
+                    # tf.function, where grappler folds it into that multiplication)
+                    avgs[i] = self.codec.decode_sum(gathered, numel, off, divisor=n)
                 else:
                     dense = [self.codec.decode(gathered[r, off:off + p], numel) for r in range(n)]
                     total = tf.add_n(dense) if n > 1 else dense[0]
+                    avgs[i] = total / float(n)
                 off += p
-                avgs[i] = total / float(n)
         return avgs, sents
 
 

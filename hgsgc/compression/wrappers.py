@@ -34,16 +34,30 @@ class ErrorFeedback(Wrapper):
         super().__init__(inner)
         self.memory = memory
 
-    def reduce(self, views, names, ctx: Context):
-        feedback = [self.inner.feedback(v) for v in views]
+    def fused(self, views) -> bool:
+        """Whether :meth:`reduce` takes the fused path for ``views`` (the codec compensates,
+        encodes and updates the residuals in one pass: ``Allgather`` + ``compress_into``)."""
         from hgsgc.compression.reducers import Allgather
 
-        if (isinstance(self.inner, Allgather) and hasattr(self.inner.codec, "compress_into")
-                and all(feedback)):
+        return (isinstance(self.inner, Allgather) and hasattr(self.inner.codec, "compress_into")
+                and all(self.inner.feedback(v) for v in views))
+
+    def reduce(self, views, names, ctx: Context, momentum=None):
+        """See :class:`Reducer`. ``momentum``: ``(velocities, m, masking)`` from
+        :class:`MomentumCorrection` when its correction is folded into the fused path (only
+        where :meth:`fused` holds): the views are then the raw tensors and the codec forms
+        ``u = m v + x`` itself (``Allgather.reduce``)."""
+        if self.fused(views):
             # fused path (hgsgc.ops.compress_into): compensate, encode and update the residual
             # in place in one pass over each tensor; same residuals and payloads bit for bit
             residuals = [self.memory.residual(nm, v.shape) for nm, v in zip(names, views)]
+            if momentum is not None:
+                return self.inner.reduce(views, names, ctx, residuals=residuals, momentum=momentum)
             return self.inner.reduce(views, names, ctx, residuals=residuals)
+        if momentum is not None:
+            raise ValueError("ErrorFeedback.reduce: momentum is folded in only on the fused "
+                             "allgather path (ErrorFeedback.fused(views)); apply it before")
+        feedback = [self.inner.feedback(v) for v in views]
         comp = [self.memory.compensate(nm, v) if fb else v
                 for v, nm, fb in zip(views, names, feedback)]
         avgs, contributed = self.inner.reduce(comp, names, ctx)
@@ -59,6 +73,11 @@ class ErrorFeedback(Wrapper):
 
     def load_own_state(self, state: dict) -> None:
         self.memory.load_state_dict(state.get("residuals", {}))
+
+
+#: Fold DGC momentum correction into the compression kernel where :meth:`MomentumCorrection._fold`
+#: allows it (session 11; False runs the session-10 composition: the same bits, for comparisons).
+FOLD_MOMENTUM = True
 
 
 class MomentumCorrection(Wrapper):
@@ -87,6 +106,12 @@ class MomentumCorrection(Wrapper):
 
         m = self.momentum
         vels = [self.velocity.variable(nm, v.shape) for v, nm in zip(views, names)]
+        if self._fold(views):
+            # session 11: u = m v + x, error feedback, selection, encoding and the masking in one
+            # kernel per tensor (HgsgcCompressMomentum, through ErrorFeedback's fused allgather
+            # path): the bits of the composed path below (tests/test_kernels11.py)
+            return self.inner.reduce([tf.cast(v, tf.float32) for v in views], names, ctx,
+                                     momentum=(vels, m, self.masking))
         # u = m u + x and the masking below: one C++ pass each where the kernels are built
         # (ops/momentum_mask.cc), else TF ops; the same bits either way (tests/test_kernels10.py)
         # (m = 0 keeps the TF ops: in graphs grappler folds their 0 * v away, so a -0 / NaN of
@@ -106,6 +131,20 @@ class MomentumCorrection(Wrapper):
                     ops.append(vel.assign(tf.where(tf.equal(c, 0.0), u, 0.0)))
         with tf.control_dependencies([o for o in ops if o is not None]):
             return [tf.identity(a) for a in avgs], contributed
+
+    def _fold(self, views) -> bool:
+        """Whether the correction runs inside the compression kernel: the custom kernels are
+        built and selected (``kernels.compress_momentum_into``), ``m != 0`` (see the comment in
+        :meth:`reduce`), the inner reducer is error feedback on its fused allgather path, and
+        every view is a 1-D float32 tensor of a static length."""
+        from hgsgc.compression import kernels
+
+        if not FOLD_MOMENTUM or self.momentum == 0.0 or not isinstance(self.inner, ErrorFeedback):
+            return False
+        if not all(v.dtype == tf.float32 and v.shape.rank == 1 and v.shape.is_fully_defined()
+                   for v in views):
+            return False
+        return self.inner.fused(views) and kernels._compress_momentum_lib(None) is not None
 
     def own_state(self) -> dict:
         return {"velocity": self.velocity.state_dict()} if len(self.velocity) else {}
