@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from hgsgc import costs
 from hgsgc import hierarchy as hier
-from hgsgc.comm import STAT_KEYS, CommStats, Communicator  # noqa: F401  (re-exported)
+from hgsgc.comm import STAT_KEYS, CommStats, Communicator, _is_global  # noqa: F401  (re-exported)
 from hgsgc.compression import DenseCompression, as_compression
 from hgsgc.compression.base import BuildEnv, Context, RandomStep
 from hgsgc.compression.memory import ResidualMemory
@@ -55,7 +55,11 @@ class Exchanger:
         ValueError: momentum correction without ``momentum``.
     """
 
-    _instances = 0  # names of Horovod ops built per exchanger: same order on every rank
+    # Exchangers built so far per process set (its ranks; None: the global set): an exchanger's
+    # number, in the names of its Horovod ops, must be the same on every rank of its set, also
+    # when a rank has built exchangers on other sets before (a rank in several process sets):
+    # a process-wide count named the set's collectives differently on its ranks (a hang)
+    _instances = {}
 
     def __init__(self, compression=None, process_set=None, memory: Optional[ResidualMemory] = None,
                  stats: Optional[CommStats] = None, node_sizes=None, momentum: Optional[float] = None):
@@ -65,8 +69,9 @@ class Exchanger:
         self.node_sizes = node_sizes
         self.momentum = momentum
         self._plan = None
-        self._uid = Exchanger._instances
-        Exchanger._instances += 1
+        key = None if _is_global(self.comm.process_set) else tuple(self.comm.process_set.ranks)
+        self._uid = Exchanger._instances.get(key, 0)
+        Exchanger._instances[key] = self._uid + 1
         self._compression = None
         self.compression = compression if compression is not None else DenseCompression("none")
 

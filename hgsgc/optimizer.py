@@ -588,8 +588,10 @@ class DistributedGradientTape:
             ok = faults.all_finite(avg)
             run = lambda: avg  # noqa: E731
         else:  # residuals are written inside the exchange: agree on the verdict before it
+            # named after the exchanger (numbered per process set), not after the process-wide
+            # count of checked tapes, which differs on a rank that also ran tapes on other sets
             ok = faults.all_ranks_finite([flat_g[i] for i in live], ps,
-                                         name=f"hgsgc_tape_finite_{len(_TAPE_CHECKED)}")
+                                         name=f"hgsgc_tape_finite_{ex._uid}")
             run = exchange
         if self._nonfinite == "raise":
             with tf.control_dependencies([tf.debugging.Assert(
