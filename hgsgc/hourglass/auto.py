@@ -402,6 +402,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     from hgsgc.hourglass.costmodel import find_machines, take_turns
 
     h = cfg.hourglass
+    clock = StartupClock()
     cc = as_compression(compression_from_config(cfg.compression))
     fcc = as_compression(fc_compression_from_config(cfg))
     conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
@@ -415,11 +416,16 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
         hvd.shutdown()        # here, as Layout does before it initialises its own
     layout_mod._HOROVOD_GENERATION[0] += 1  # an earlier Layout's close() leaves the next Horovod alone
 
+    clock.lap("machines")
+    own_turn = [0.0]
+
     def measure_me():
+        t0 = clock.now()
         act_codec, grad_codec = configured_codecs(h)
         m = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches))
         m.update(measure_pipeline_stages(split, x, int(h.micro_batches), comm.Get_size() - 1))
         m.update(measure_compression_and_update(conv_shapes, fc_shapes, cc, fcc, float(cfg.train.momentum)))
+        own_turn[0] = clock.now() - t0
         return m
 
     stall = float(getattr(cfg.faults, "stall_timeout_s", 0.0) or 0.0)
@@ -428,18 +434,23 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     errors = [e for _, e in gathered if e]
     if errors:
         raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
+    clock.lap("alone_in_turns")
     # every rank at once: the contention the alone measurements do not see (collective)
     together_all = _on_every_rank(comm, "measurement of all ranks at once",
                                   lambda: measure_together(comm, split, x))
+    clock.lap("together")
     # what a waiting rank burns (Horovod's background thread + hgsgc's poll loop), collective
     wait_all = _on_every_rank(comm, "measurement of the waiting ranks' CPU", lambda: measure_wait_cpu(comm))
+    clock.lap("wait_cpu")
     link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
+    clock.lap("link")
     # the boundary message on the trainer's path, rank 0 <-> every other rank (collective)
     act_codec, grad_codec = configured_codecs(h)
     sample = []  # this rank's micro-batch (only errors travel: every rank computes its own)
     _on_every_rank(comm, "boundary sample",
                    lambda: sample.extend(costmodel.boundary_sample(split, x, int(h.micro_batches))))
     probe = costmodel.probe_boundary(comm, act_codec, grad_codec, *sample)
+    clock.lap("boundary")
     report = None
     if comm.Get_rank() == 0:
         meas = _median_measurements([m for m, _ in gathered])
@@ -492,6 +503,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
                               "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
         report["link"] = link
     report = comm.bcast(report, root=0)
+    clock.lap("model")
+    # what the start-up measurement cost (its own seconds, every rank; one more small collective)
+    report["startup"] = startup_record(comm.allgather({"phases_s": clock.phases, "own_turn_s": own_turn[0]}))
     if log is not None and comm.Get_rank() == 0:
         from hgsgc.hourglass.costmodel import describe_link
 
@@ -502,8 +516,71 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             + f" -> median {[round(v, 2) for v in tog['slowdown_per_machine']]}, spread (max/min) "
             f"{[round(v, 2) for v in tog['slowdown_spread_per_machine']]}; a waiting rank keeps "
             f"{report['inputs']['wait_cpu_cores']:.3f} cores busy (median over ranks of "
-            f"{[round(v, 3) for v in report['measured']['wait_cpu_cores_per_rank']]})")
+            f"{[round(v, 3) for v in report['measured']['wait_cpu_cores_per_rank']]})\n"
+            + describe_startup(report["startup"]))
     return report
+
+
+#: The phases of :func:`choose`'s start-up measurement, in order (:class:`StartupClock` laps).
+STARTUP_PHASES = ("machines", "alone_in_turns", "together", "wait_cpu", "link", "boundary", "model")
+
+
+class StartupClock:
+    """Wall seconds of consecutive phases on this rank (``time.perf_counter``; ``clock``
+    injectable): :meth:`lap` ``(name)`` records the seconds since the previous lap (or since
+    construction) under ``name`` in :attr:`phases` (a dict in lap order)."""
+
+    def __init__(self, clock=None):
+        import time
+
+        self.now = clock or time.perf_counter
+        self.phases = {}
+        self._last = self.now()
+
+    def lap(self, name: str) -> float:
+        """Record and return the seconds since the previous lap under ``name``."""
+        t = self.now()
+        self.phases[name] = float(t - self._last)
+        self._last = t
+        return self.phases[name]
+
+
+def startup_record(per_rank: list, total_per_rank: Optional[list] = None) -> dict:
+    """``layout_choice["startup"]``: what ``layout: auto``'s start-up measurement cost.
+
+    Args:
+        per_rank: one ``{"phases_s": {phase: seconds}, "own_turn_s": seconds}`` per rank, in rank
+            order (:class:`StartupClock` laps of :func:`choose`; ``own_turn_s``: this rank's own
+            measurement alone, inside ``alone_in_turns``, where the ranks of one machine wait for
+            each other's turns).
+        total_per_rank: seconds from the start of :func:`run` to the choice, per rank (model,
+            data batch, checkpoint check and :func:`choose`), or None (``fc_workers: auto``).
+
+    Returns:
+        ``{"phases_s": {phase: max over ranks}, "own_turn_s": [per rank], "per_rank_phases_s":
+        [...], "total_s": max over ranks or None, "total_per_rank_s": [...] or None}``: the
+        phases end at collectives, so the slowest rank's seconds are the job's.
+    """
+    names = [p for p in STARTUP_PHASES if any(p in r["phases_s"] for r in per_rank)]
+    out = {"phases_s": {p: max(float(r["phases_s"].get(p, 0.0)) for r in per_rank) for p in names},
+           "own_turn_s": [float(r["own_turn_s"]) for r in per_rank],
+           "per_rank_phases_s": [dict(r["phases_s"]) for r in per_rank],
+           "total_s": None, "total_per_rank_s": None}
+    if total_per_rank is not None:
+        out["total_per_rank_s"] = [float(t) for t in total_per_rank]
+        out["total_s"] = max(out["total_per_rank_s"])
+    return out
+
+
+def describe_startup(startup: dict) -> str:
+    """One log line of :func:`startup_record`'s figures."""
+    ph = startup.get("phases_s", {})
+    own = startup.get("own_turn_s") or []
+    parts = [f"{p.replace('_', ' ')} {ph[p]:.2f}" for p in STARTUP_PHASES if p in ph]
+    head = (f"layout auto: start-up {startup['total_s']:.2f} s in all; "
+            if startup.get("total_s") is not None else "layout auto: start-up measurement: ")
+    turn = f" (own turn {float(np.median(own)):.2f} s per rank, median)" if own else ""
+    return head + ", ".join(parts) + " s" + turn
 
 
 def _on_every_rank(comm, what: str, measure):
@@ -585,17 +662,25 @@ def run(cfg, run_layout, log=print) -> dict:
     """``layout: auto``: :func:`choose`, then run the chosen layout with ``run_layout(cfg, log=)``
     (``hgsgc.train.run``, passed in so this module does not import the runner); the summary
     (and rank 0's ``summary.json``) gets ``layout_setting: "auto"`` and ``layout_choice`` (the
-    inputs, every prediction, the choice). A model without a conv/FC boundary runs data-parallel
-    without measuring (the reason is logged and recorded).
+    inputs, every prediction, the choice, and ``startup``: the seconds the start-up measurement
+    itself took, per phase and in all, :func:`startup_record`). A model without a conv/FC
+    boundary runs data-parallel without measuring (the reason is logged and recorded).
+
+    Nothing of the measurement stays in the chosen run: it gets the configuration it would get
+    as an explicit ``layout:`` (only ``layout`` and ``hourglass.fc_workers`` set from the choice),
+    re-seeds, starts its own Horovod, and trains exactly as that explicit run does
+    (tests/test_hourglass_auto_same_run.py: the same losses, bytes, threads and configuration).
     """
     import dataclasses
     import json
     import os
+    import time
 
     from mpi4py import MPI
 
     from hgsgc.loop import setup_threads
 
+    t_start = time.perf_counter()
     world = MPI.COMM_WORLD
     setup_threads(cfg.train.threads)
     import tensorflow as tf
@@ -613,6 +698,13 @@ def run(cfg, run_layout, log=print) -> dict:
             log(f"layout auto -> {lay}{f' with {fc} FC ranks' if fc else ''} ({report['reason']})")
     else:
         report = _measure_and_choose(cfg, world, log)
+    # the start-up's own cost: seconds from here to the choice on every rank (one small collective)
+    startup = report.get("startup") or startup_record([])
+    total = world.allgather(time.perf_counter() - t_start)
+    startup.update(total_per_rank_s=[float(t) for t in total], total_s=float(max(total)))
+    report["startup"] = startup
+    if world.Get_rank() == 0:
+        log(describe_startup(startup))
     h = cfg.hourglass
     if report["layout"] == "hourglass":
         chosen = dataclasses.replace(cfg, layout="hourglass",

@@ -1,0 +1,80 @@
+"""Run under mpirun (2-5 ranks): one short training run, either ``layout: auto`` or the explicit
+layout it is compared with; rank 0 prints one ``RESULT {...}`` JSON line,
+tests/test_hourglass_auto_same_run.py compares an auto run with the explicit one (two launches).
+
+Usage: ``check_hourglass_auto_same.py MODE LAYOUT RUN_DIR``
+
+* ``MODE`` ``auto``: ``hgsgc.train.run`` with ``layout=auto`` (the real start-up measurement:
+  turns, Horovod on ``COMM_SELF`` and over the world, the probes). ``LAYOUT`` ``data_parallel``
+  or ``hourglass`` forces the choice after the real measurement and model (the decision only:
+  ``hgsgc.perfmodel.choose_layout`` runs, then its ``layout`` / ``fc_workers`` are overridden),
+  so that both branches are tested on any machine; ``natural`` keeps the model's choice.
+* ``MODE`` ``explicit``: ``hgsgc.train.run`` with ``layout=LAYOUT`` (``hourglass``: 1 FC rank).
+
+Every rank reports what the training ran with: the TF thread pools, its CPU affinity, the
+Horovod / Open MPI environment, the threads of the process after the run, and rank 0 the run's
+``config.json``, ``metrics.jsonl`` epoch records and ``summary.json``.
+"""
+import json
+import os
+import sys
+
+from mpi4py import MPI  # noqa: F401  (before TensorFlow / Horovod, as hgsgc train does)
+
+from hgsgc.config import load_config  # noqa: E402
+
+mode, layout, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+world = MPI.COMM_WORLD
+rank, n = world.Get_rank(), world.Get_size()
+
+# vgg16 draws its initial weights from the global seed (tiny / alexnet_small seed their own), so a
+# random draw of the start-up measurement that were left in the chosen run would show here
+common = ["data.format=cifar10", "model.name=vgg16", "model.width=0.0625", "train.epochs=2",
+          "train.max_steps_per_epoch=3", "train.batch_size=8", "train.progress=false",
+          "train.log_every_steps=1", "data.train_limit=400", "data.test_limit=96",
+          "compression.method=sgc", "compression.density=0.05", "compression.delay=1",
+          "hourglass.act_codec=sparse+q8", "hourglass.grad_codec=sparse+q8", "hourglass.micro_batches=2",
+          "checkpoint.at_end=false", f"run.out_dir={out_dir}", "run.id=run", "run.seed=7"]
+if mode == "auto":
+    overrides = common + ["layout=auto"]
+    if layout != "natural":
+        from hgsgc import perfmodel
+
+        real = perfmodel.choose_layout
+
+        def forced(*a, **k):
+            rep = real(*a, **k)
+            rep["layout"] = layout
+            rep["fc_workers"] = 1 if layout == "hourglass" else None
+            return rep
+
+        perfmodel.choose_layout = forced
+else:
+    overrides = common + [f"layout={layout}"] + (["hourglass.fc_workers=1"] if layout == "hourglass" else [])
+cfg = load_config(None, overrides)
+
+from hgsgc.train import run  # noqa: E402
+
+lines = []
+summary = run(cfg, log=lines.append)
+
+import tensorflow as tf  # noqa: E402
+
+mine = {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "OMPI_MCA_", "HGSGC_", "TF_"))},
+        "threads": len(os.listdir("/proc/self/task")),
+        "layout": summary["layout"]}
+ranks = world.gather(mine, root=0)
+if rank == 0:
+    d = os.path.join(out_dir, summary["run_id"])
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+        metrics = [json.loads(ln) for ln in f if ln.strip()]
+    with open(os.path.join(d, "summary.json")) as f:
+        written = json.load(f)
+    print("RESULT " + json.dumps({"size": n, "ranks": ranks, "config": config, "metrics": metrics,
+                                  "summary": written,
+                                  "log": [ln for ln in lines if ln.startswith("layout auto")]}), flush=True)
