@@ -83,6 +83,11 @@ def test_auto_runs_exactly_the_explicit_job(np_, forced, tmp_path_factory):
         assert all(v >= 0 for v in ph.values()) and own >= 0
         assert sum(ph.values()) <= tot           # nested intervals of one clock
         assert own <= ph["alone_in_turns"]       # a rank's own turn is inside the turns
+    for parts, own in zip(st["own_turn_parts_s"], st["own_turn_s"]):
+        assert list(parts) == ["compute_and_codec", "pipeline_stages", "compression_and_update"]
+        assert sum(parts.values()) == pytest.approx(own, rel=1e-12)
+    assert st["before_choose_s"] == [t - sum(ph.values()) for t, ph in zip(st["total_per_rank_s"],
+                                                                             st["per_rank_phases_s"])]
     assert st["total_s"] == max(st["total_per_rank_s"])
     assert st["phases_s"] == {p: max(r[p] for r in st["per_rank_phases_s"]) for p in auto.STARTUP_PHASES}
     assert any(ln.startswith(f"layout auto: start-up {st['total_s']:.2f} s in all") for ln in a["log"])
@@ -99,7 +104,11 @@ def test_startup_clock_and_record():
     assert rec["phases_s"] == {"machines": 0.75, "alone_in_turns": 2.5, "model": 0.5}   # max per phase
     assert rec["own_turn_s"] == [0.5, 1.0] and rec["total_s"] == 4.5 and rec["total_per_rank_s"] == [4.0, 4.5]
     assert rec["per_rank_phases_s"][1] == other["phases_s"]
-    assert auto.describe_startup(rec) == ("layout auto: start-up 4.50 s in all; machines 0.75, "
-                                          "alone in turns 2.50, model 0.50 s (own turn 0.75 s per rank, median)")
+    assert rec["before_choose_s"] == [0.75, 1.25]       # total minus the rank's phases (3.25 s each)
+    assert auto.describe_startup(rec) == ("layout auto: start-up 4.50 s in all; data, model and batch 1.25, "
+                                          "machines 0.75, alone in turns 2.50, model 0.50 s "
+                                          "(own turn 0.75 s per rank, median)")
     none = auto.startup_record([])
     assert none["phases_s"] == {} and none["total_s"] is None and none["own_turn_s"] == []
+    auto.set_total(none, [3.0, 2.0])                               # nothing measured (a resumed job)
+    assert none["total_s"] == 3.0 and none["before_choose_s"] == [3.0, 2.0]

@@ -417,15 +417,17 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     layout_mod._HOROVOD_GENERATION[0] += 1  # an earlier Layout's close() leaves the next Horovod alone
 
     clock.lap("machines")
-    own_turn = [0.0]
+    own = StartupClock(clock.now)  # this rank's own turn, by part
 
     def measure_me():
-        t0 = clock.now()
+        own.lap("waiting_for_turn")
         act_codec, grad_codec = configured_codecs(h)
         m = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches))
+        own.lap("compute_and_codec")
         m.update(measure_pipeline_stages(split, x, int(h.micro_batches), comm.Get_size() - 1))
+        own.lap("pipeline_stages")
         m.update(measure_compression_and_update(conv_shapes, fc_shapes, cc, fcc, float(cfg.train.momentum)))
-        own_turn[0] = clock.now() - t0
+        own.lap("compression_and_update")
         return m
 
     stall = float(getattr(cfg.faults, "stall_timeout_s", 0.0) or 0.0)
@@ -505,7 +507,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     report = comm.bcast(report, root=0)
     clock.lap("model")
     # what the start-up measurement cost (its own seconds, every rank; one more small collective)
-    report["startup"] = startup_record(comm.allgather({"phases_s": clock.phases, "own_turn_s": own_turn[0]}))
+    own_parts = {k: v for k, v in own.phases.items() if k != "waiting_for_turn"}
+    report["startup"] = startup_record(comm.allgather({"phases_s": clock.phases, "own_turn_s": sum(own_parts.values()),
+                                                       "own_turn_parts_s": own_parts}))
     if log is not None and comm.Get_rank() == 0:
         from hgsgc.hourglass.costmodel import describe_link
 
@@ -549,27 +553,44 @@ def startup_record(per_rank: list, total_per_rank: Optional[list] = None) -> dic
     """``layout_choice["startup"]``: what ``layout: auto``'s start-up measurement cost.
 
     Args:
-        per_rank: one ``{"phases_s": {phase: seconds}, "own_turn_s": seconds}`` per rank, in rank
-            order (:class:`StartupClock` laps of :func:`choose`; ``own_turn_s``: this rank's own
-            measurement alone, inside ``alone_in_turns``, where the ranks of one machine wait for
-            each other's turns).
-        total_per_rank: seconds from the start of :func:`run` to the choice, per rank (model,
-            data batch, checkpoint check and :func:`choose`), or None (``fc_workers: auto``).
+        per_rank: one ``{"phases_s": {phase: seconds}, "own_turn_s": seconds,
+            "own_turn_parts_s": {part: seconds}}`` per rank, in rank order (:class:`StartupClock`
+            laps of :func:`choose`; ``own_turn_s``: this rank's own measurement alone, inside
+            ``alone_in_turns``, where the ranks of one machine wait for each other's turns; its
+            parts ``compute_and_codec`` (:func:`measure`), ``pipeline_stages``,
+            ``compression_and_update``; optional).
+        total_per_rank: seconds from the start of :func:`run` to the choice, per rank (TF
+            thread set-up, checkpoint check, the task's data and model, the first batch, and
+            :func:`choose`), or None (``fc_workers: auto``).
 
     Returns:
-        ``{"phases_s": {phase: max over ranks}, "own_turn_s": [per rank], "per_rank_phases_s":
-        [...], "total_s": max over ranks or None, "total_per_rank_s": [...] or None}``: the
-        phases end at collectives, so the slowest rank's seconds are the job's.
+        ``{"phases_s": {phase: max over ranks}, "own_turn_s": [per rank], "own_turn_parts_s":
+        [per rank], "per_rank_phases_s": [...], "total_s": max over ranks or None,
+        "total_per_rank_s": [...] or None, "before_choose_s": [per rank: total minus the
+        phases, i.e. the data, model and batch :func:`run` prepares] or None}``: the phases end at
+        collectives, so the slowest rank's seconds are the job's.
     """
     names = [p for p in STARTUP_PHASES if any(p in r["phases_s"] for r in per_rank)]
     out = {"phases_s": {p: max(float(r["phases_s"].get(p, 0.0)) for r in per_rank) for p in names},
            "own_turn_s": [float(r["own_turn_s"]) for r in per_rank],
+           "own_turn_parts_s": [dict(r.get("own_turn_parts_s", {})) for r in per_rank],
            "per_rank_phases_s": [dict(r["phases_s"]) for r in per_rank],
-           "total_s": None, "total_per_rank_s": None}
+           "total_s": None, "total_per_rank_s": None, "before_choose_s": None}
     if total_per_rank is not None:
-        out["total_per_rank_s"] = [float(t) for t in total_per_rank]
-        out["total_s"] = max(out["total_per_rank_s"])
+        set_total(out, total_per_rank)
     return out
+
+
+def set_total(startup: dict, total_per_rank) -> dict:
+    """Add the totals (seconds per rank from :func:`run`'s start to the choice) to a
+    :func:`startup_record`: ``total_per_rank_s``, ``total_s`` (the max) and ``before_choose_s``
+    (each rank's total minus its phases; the whole total where nothing was measured)."""
+    per = startup.get("per_rank_phases_s") or []
+    startup["total_per_rank_s"] = [float(t) for t in total_per_rank]
+    startup["total_s"] = max(startup["total_per_rank_s"])
+    startup["before_choose_s"] = [t - (sum(per[r].values()) if r < len(per) else 0.0)
+                                  for r, t in enumerate(startup["total_per_rank_s"])]
+    return startup
 
 
 def describe_startup(startup: dict) -> str:
@@ -579,6 +600,8 @@ def describe_startup(startup: dict) -> str:
     parts = [f"{p.replace('_', ' ')} {ph[p]:.2f}" for p in STARTUP_PHASES if p in ph]
     head = (f"layout auto: start-up {startup['total_s']:.2f} s in all; "
             if startup.get("total_s") is not None else "layout auto: start-up measurement: ")
+    if startup.get("before_choose_s"):
+        parts.insert(0, f"data, model and batch {max(startup['before_choose_s']):.2f}")
     turn = f" (own turn {float(np.median(own)):.2f} s per rank, median)" if own else ""
     return head + ", ".join(parts) + " s" + turn
 
@@ -700,9 +723,7 @@ def run(cfg, run_layout, log=print) -> dict:
         report = _measure_and_choose(cfg, world, log)
     # the start-up's own cost: seconds from here to the choice on every rank (one small collective)
     startup = report.get("startup") or startup_record([])
-    total = world.allgather(time.perf_counter() - t_start)
-    startup.update(total_per_rank_s=[float(t) for t in total], total_s=float(max(total)))
-    report["startup"] = startup
+    report["startup"] = set_total(startup, world.allgather(time.perf_counter() - t_start))
     if world.Get_rank() == 0:
         log(describe_startup(startup))
     h = cfg.hourglass

@@ -24,6 +24,10 @@ from mpi4py import MPI  # noqa: F401  (before TensorFlow / Horovod, as hgsgc tra
 from hgsgc.config import load_config  # noqa: E402
 
 mode, layout, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+#: Open MPI variables that name this launch (its job id, session folder, daemon address): they
+#: differ between any two launches
+LAUNCH_SPECIFIC = ("OMPI_MCA_orte_precondition_transports", "OMPI_MCA_orte_local_daemon_uri",
+                   "OMPI_MCA_orte_hnp_uri", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_ess_base_jobid")
 world = MPI.COMM_WORLD
 rank, n = world.Get_rank(), world.Get_size()
 
@@ -63,7 +67,8 @@ import tensorflow as tf  # noqa: E402
 mine = {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
         "affinity": sorted(os.sched_getaffinity(0)),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "OMPI_MCA_", "HGSGC_", "TF_"))},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "OMPI_MCA_", "HGSGC_", "TF_"))
+                and k not in LAUNCH_SPECIFIC},
         "threads": len(os.listdir("/proc/self/task")),
         "layout": summary["layout"]}
 ranks = world.gather(mine, root=0)
