@@ -423,6 +423,12 @@ def _fc_sparse(cfg: Config) -> bool:
     return cfg.layout in ("hourglass", "auto") and cfg.hourglass.fc_method in SPARSE_METHODS
 
 
+#: ``hourglass.*`` settings that only the Hourglass layout uses: refused under ``layout:
+#: data_parallel`` (:func:`_check_unused`); ``layout: auto`` resets them when it chooses data
+#: parallelism (:func:`hgsgc.hourglass.auto.chosen_config`).
+HOURGLASS_ONLY_KEYS = ("wire_dtype", "micro_batches", "act_codec", "grad_codec", "fc_delay")
+
+
 def _check_unused(cfg: Config, bad) -> None:
     """Settings given for a method or layout that does not use them are errors, not no-ops."""
     c, h = cfg.compression, cfg.hourglass
@@ -437,7 +443,7 @@ def _check_unused(cfg: Config, bad) -> None:
         bad("compression.bits", c.bits, f"method {c.method} has no value bits (they apply to "
                                         "topk, sgc and dgc): remove it")
     if cfg.layout not in ("hourglass", "auto"):
-        for key in ("wire_dtype", "micro_batches", "act_codec", "grad_codec", "fc_delay"):
+        for key in HOURGLASS_ONLY_KEYS:
             if getattr(h, key) != getattr(dh, key):
                 bad(f"hourglass.{key}", getattr(h, key), "it applies to layout=hourglass only: "
                                                           "remove it or set layout=hourglass")

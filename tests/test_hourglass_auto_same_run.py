@@ -54,7 +54,10 @@ def test_auto_runs_exactly_the_explicit_job(np_, forced, tmp_path_factory):
     e = _launch(np_, "explicit", chosen, tmp_path_factory)
     assert e["summary"]["layout"] == chosen and "layout_choice" not in e["summary"]
 
-    # the same configuration after the choice (the folder differs by construction)
+    # the same configuration after the choice (the folder differs by construction), one that
+    # hgsgc train accepts again (before the fix a data-parallel choice kept the Hourglass-only
+    # settings, which layout: data_parallel refuses: "hourglass.micro_batches=2 is invalid")
+    assert a["config_reloads"] is True and e["config_reloads"] is True
     ca, ce = dict(a["config"]), dict(e["config"])
     ca["run"] = {k: v for k, v in ca["run"].items() if k != "out_dir"}
     ce["run"] = {k: v for k, v in ce["run"].items() if k != "out_dir"}
@@ -69,11 +72,13 @@ def test_auto_runs_exactly_the_explicit_job(np_, forced, tmp_path_factory):
     assert a["summary"]["final_test_loss"] == e["summary"]["final_test_loss"]
     assert all(math.isfinite(m["train_loss"]) for m in steps_a)
 
-    # the same process: thread pools, affinity, environment, the threads of each group per rank
+    # the same processes: TF thread pools, affinity, environment, and every rank's threads per
+    # group during the timed steps (main, Horovod's background thread, MPI's, TF's pools)
     for ra, re_ in zip(a["ranks"], e["ranks"]):
         assert ra == re_
     ga, ge = a["summary"]["thread_cpu"]["groups"], e["summary"]["thread_cpu"]["groups"]
     assert {g: v["threads"] for g, v in ga.items()} == {g: v["threads"] for g, v in ge.items()}
+    assert all(len(v["threads"]) == np_ for v in ga.values())
 
     # what the start-up measurement itself cost, per phase, on every rank
     st = a["summary"]["layout_choice"]["startup"]
@@ -112,3 +117,29 @@ def test_startup_clock_and_record():
     assert none["phases_s"] == {} and none["total_s"] is None and none["own_turn_s"] == []
     auto.set_total(none, [3.0, 2.0])                               # nothing measured (a resumed job)
     assert none["total_s"] == 3.0 and none["before_choose_s"] == [3.0, 2.0]
+
+
+@pytest.mark.parametrize("given", [
+    ["hourglass.act_codec=sparse+q8", "hourglass.grad_codec=sparse+q4", "hourglass.micro_batches=2",
+     "compression.method=sgc", "compression.density=0.01"],
+    ["hourglass.wire_dtype=float16", "hourglass.fc_method=sgc", "hourglass.fc_delay=2", "compression.method=none",
+     "compression.bits=2", "compression.index_coding=fixed"],
+    ["hourglass.fc_method=topk", "compression.method=fp16", "hourglass.split_layer=fc1",
+     "hourglass.link_bandwidth_mbps=100"],
+    []])
+def test_chosen_config_is_the_explicit_configuration(given):
+    """auto.chosen_config: the configuration of the explicit job of each choice, one that
+    hgsgc.config accepts (before the fix a data-parallel choice kept the Hourglass-only settings:
+    ConfigError on its own config.json)."""
+    from hgsgc.config import HOURGLASS_ONLY_KEYS, load_config
+
+    cfg = load_config(None, given + ["layout=auto"])
+    dp_given = [g for g in given if g.split("=")[0].split(".")[-1] not in HOURGLASS_ONLY_KEYS]
+    if "compression.method=none" in given or "compression.method=fp16" in given:  # bits / coding: FC ranks' only
+        dp_given = [g for g in dp_given if not g.startswith(("compression.bits", "compression.index_coding"))]
+    assert auto.chosen_config(cfg, {"layout": "data_parallel", "fc_workers": None}) == \
+        load_config(None, dp_given + ["layout=data_parallel"])
+    for F in (1, 2):
+        assert auto.chosen_config(cfg, {"layout": "hourglass", "fc_workers": F}) == \
+            load_config(None, given + ["layout=hourglass", f"hourglass.fc_workers={F}"])
+    assert cfg == load_config(None, given + ["layout=auto"])      # the given configuration is left alone

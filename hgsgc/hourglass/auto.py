@@ -681,6 +681,44 @@ def _measure_and_choose(cfg, world, log) -> dict:
     return choose(world, split, x, cfg, log=log)
 
 
+def chosen_config(cfg, report: dict):
+    """The configuration the chosen layout runs with: ``cfg`` with ``layout`` (and, for the
+    Hourglass, ``hourglass.fc_workers``) set from ``report`` (:func:`choose`'s or a resumed
+    checkpoint's ``{"layout", "fc_workers"}``), i.e. the configuration of the explicit job.
+
+    For data parallelism the Hourglass-only settings (``hgsgc.config.HOURGLASS_ONLY_KEYS``: codecs,
+    micro-batches, wire dtype, FC delay) go back to their defaults, and ``compression.bits`` and
+    ``compression.index_coding`` to None where only a sparse ``hourglass.fc_method`` used them
+    (the CONV method is not sparse): ``layout: data_parallel`` refuses them, so a run that kept them wrote a ``config.json`` that ``hgsgc train`` refused
+    (``hourglass.micro_batches=2 is invalid``) and that was not the explicit data-parallel job's.
+    The data-parallel runner never reads them, so training is unchanged.
+
+    Returns:
+        a validated :class:`hgsgc.config.Config`.
+
+    Raises:
+        hgsgc.config.ConfigError: the chosen configuration is invalid (a defect: ``layout:
+            auto`` accepted it).
+    """
+    import dataclasses
+
+    from hgsgc import config as config_mod
+
+    h = cfg.hourglass
+    if report["layout"] == "hourglass":
+        chosen = dataclasses.replace(cfg, layout="hourglass",
+                                     hourglass=dataclasses.replace(h, fc_workers=int(report["fc_workers"])))
+    else:
+        dh = config_mod.HourglassConfig()
+        c = cfg.compression
+        if c.method not in config_mod.SPARSE_METHODS:  # they were there for the FC ranks' sparse method only
+            c = dataclasses.replace(c, bits=None, index_coding=None)
+        chosen = dataclasses.replace(cfg, layout="data_parallel", compression=c, hourglass=dataclasses.replace(
+            h, **{k: getattr(dh, k) for k in config_mod.HOURGLASS_ONLY_KEYS}))
+    config_mod.validate(chosen)
+    return chosen
+
+
 def run(cfg, run_layout, log=print) -> dict:
     """``layout: auto``: :func:`choose`, then run the chosen layout with ``run_layout(cfg, log=)``
     (``hgsgc.train.run``, passed in so this module does not import the runner); the summary
@@ -689,12 +727,11 @@ def run(cfg, run_layout, log=print) -> dict:
     itself took, per phase and in all, :func:`startup_record`). A model without a conv/FC
     boundary runs data-parallel without measuring (the reason is logged and recorded).
 
-    Nothing of the measurement stays in the chosen run: it gets the configuration it would get
-    as an explicit ``layout:`` (only ``layout`` and ``hourglass.fc_workers`` set from the choice),
-    re-seeds, starts its own Horovod, and trains exactly as that explicit run does
+    Nothing of the measurement stays in the chosen run: it gets the configuration of the explicit
+    ``layout:`` job (:func:`chosen_config`), re-seeds, starts its own Horovod, and trains exactly
+    as that explicit run does
     (tests/test_hourglass_auto_same_run.py: the same losses, bytes, threads and configuration).
     """
-    import dataclasses
     import json
     import os
     import time
@@ -726,13 +763,7 @@ def run(cfg, run_layout, log=print) -> dict:
     report["startup"] = set_total(startup, world.allgather(time.perf_counter() - t_start))
     if world.Get_rank() == 0:
         log(describe_startup(startup))
-    h = cfg.hourglass
-    if report["layout"] == "hourglass":
-        chosen = dataclasses.replace(cfg, layout="hourglass",
-                                     hourglass=dataclasses.replace(h, fc_workers=int(report["fc_workers"])))
-    else:
-        chosen = dataclasses.replace(cfg, layout="data_parallel")
-    summary = run_layout(chosen, log=log)
+    summary = run_layout(chosen_config(cfg, report), log=log)
     summary["layout_setting"] = "auto"
     summary["layout_choice"] = report
     if world.Get_rank() == 0:
