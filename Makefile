@@ -1,5 +1,5 @@
 # hgsgc: two commands on a fresh machine (as root):
-#   make demo   install everything, then train the main job (SGC, 4 ranks, Fashion-MNIST)
+#   make demo   install everything, then train the main job (Hourglass + SGC, 4 ranks, Fashion-MNIST)
 #   make test   install everything, then run the test suite (single process and under mpirun)
 SHELL := /bin/bash
 VENV ?= .venv

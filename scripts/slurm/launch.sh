@@ -23,7 +23,9 @@ hgsgc_launch() {
     srun) cmd=(srun --mpi=pmix hgsgc train "$config" "${extra[@]}" "$@") ;;
     mpirun)
       local root=(); [ "$(id -u)" -eq 0 ] && root=(--allow-run-as-root)
-      cmd=(mpirun "${root[@]}" --bind-to none -x TF_CPP_MIN_LOG_LEVEL -x PATH -x PYTHONPATH \
+      # -x only for variables that are set (Open MPI warns about an unset one)
+      local envs=(); for v in TF_CPP_MIN_LOG_LEVEL PATH PYTHONPATH; do [ -n "${!v+x}" ] && envs+=(-x "$v"); done
+      cmd=(mpirun "${root[@]}" --bind-to none "${envs[@]}" \
         hgsgc train "$config" "${extra[@]}" "$@") ;;
     *) echo "hgsgc slurm: LAUNCH=$LAUNCH is invalid: use srun or mpirun" >&2; exit 2 ;;
   esac
