@@ -29,7 +29,7 @@ import time
 import uuid
 
 METHODS = {
-    "fp16": ["compression.method=fp16", "compression.momentum_correction=false"],
+    "fp16": ["compression.method=fp16", "compression.momentum_correction=false", "compression.delay=1"],
     "topk": ["compression.method=topk", "compression.momentum_correction=false", "compression.delay=1"],
     "sgc": ["compression.delay=1"],
 }
