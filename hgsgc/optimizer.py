@@ -23,6 +23,7 @@ import tensorflow as tf
 from hgsgc.communicator import Exchanger
 from hgsgc.compression import Compression, as_compression
 from hgsgc.compression.wrappers import CommunicationDelay, local_clip  # noqa: F401 (re-exported)
+from hgsgc.faults import NONFINITE_MODES
 
 
 def _var_names(variables):
@@ -101,8 +102,6 @@ class _HgsgcOptimizerMixin:
         Raises:
             ValueError: another mode.
         """
-        from hgsgc.faults import NONFINITE_MODES
-
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite mode must be one of {NONFINITE_MODES}, got {mode!r}")
         self._hgsgc_nonfinite = mode
@@ -123,62 +122,32 @@ class _HgsgcOptimizerMixin:
         return list(super().variables()) + extra
 
     def _hgsgc_guard(self, grads, variables, names, apply_fn, collective: bool, exchange_fn=None):
-        """Densify, check shapes across ranks once, then run ``apply_fn(grads)`` unless a
-        gradient is non-finite (see :meth:`hgsgc_set_nonfinite`).
+        """Densify, then :func:`_guard_nonfinite` with this optimizer's mode (see
+        :meth:`hgsgc_set_nonfinite`): ``apply_fn(values)`` runs unless a gradient is non-finite;
+        returns a scalar bool tensor (False: the step was skipped).
 
-        ``exchange_fn`` (a dense exchange without state: no residual, no compression): the
-        gradients are averaged first and the check runs on the average, which every rank
-        receives alike and which carries any rank's NaN/Inf (NaN + x = NaN, Inf + finite = Inf,
-        Inf - Inf = NaN), so no extra collective is needed; ``apply_fn`` then gets the average.
-        Otherwise ``collective`` asks for one 4-byte ``allreduce(op=Min)`` of the local verdict
-        (delay 1) or a local check (delay > 1) before ``apply_fn`` exchanges."""
+        ``exchange_fn`` (a dense exchange without state: no residual, no compression) runs first
+        and the check runs on its average, which every rank receives alike and which carries any
+        rank's NaN/Inf (NaN + x = NaN, Inf + finite = Inf, Inf - Inf = NaN), so no extra collective
+        is needed; ``apply_fn`` then gets the average. Otherwise ``collective`` asks for one 4-byte
+        ``allreduce(op=Min)`` of the local verdict (delay 1) or a local check (delay > 1) before
+        ``apply_fn`` exchanges."""
         from hgsgc import faults
 
-        grads = faults.densify(grads, variables)
-        mode = self._hgsgc_nonfinite
-        key = tuple(names)
-        if key not in self._hgsgc_checked:
-            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set,
-                                        settings=_settings(self._hgsgc_compression),
-                                        guard={"nonfinite": mode})
-            self._hgsgc_checked.add(key)
-        if exchange_fn is not None:
-            grads = exchange_fn(grads)
-        if mode == "off":
-            apply_fn(grads)
-            return tf.constant(True)
-        if exchange_fn is not None:  # the average: the same verdict on every rank, no collective
-            ok = faults.all_finite(grads)
-        elif collective:
-            ok = faults.all_ranks_finite(grads, self._hgsgc_exchanger.process_set,
-                                         name=f"hgsgc_finite_{len(self._hgsgc_checked)}")
-        else:
-            ok = faults.all_finite(grads)
-        if mode == "raise":
-            with tf.control_dependencies([tf.debugging.Assert(
-                    ok, ["hgsgc: NaN/Inf gradient (faults.nonfinite=raise) at optimizer step",
-                         self.iterations])]):
-                apply_fn(grads)
-                return tf.constant(True)
-
-        def run():
-            op = apply_fn(grads)
-            with tf.control_dependencies([op] if op is not None else []):
-                return tf.constant(True)
-
-        def skip():
-            inc = self._hgsgc_skipped.assign_add(1)
-            with tf.control_dependencies([inc]):
-                if hvd.rank() == _lead_rank(self._hgsgc_exchanger.process_set) or not collective:
-                    pr = tf.print("hgsgc: warning: NaN/Inf gradient",
-                                  "on some rank:" if collective else f"on rank {hvd.rank()}:",
-                                  "step", self.iterations, "skipped (faults.nonfinite=skip)",
-                                  output_stream=sys.stderr)
-                    with tf.control_dependencies([pr]):
-                        return tf.constant(False)
-                return tf.constant(False)
-
-        return tf.cond(ok, run, skip)
+        ps = self._hgsgc_exchanger.process_set
+        on_some = "on some rank:" if collective else f"on rank {hvd.rank()}:"
+        return _guard_nonfinite(
+            faults.densify(grads, variables), names, mode=self._hgsgc_nonfinite, process_set=ps,
+            settings=_settings(self._hgsgc_compression), guard={"nonfinite": self._hgsgc_nonfinite},
+            checked=self._hgsgc_checked, key=tuple(names), exchange=exchange_fn,
+            stateless=exchange_fn is not None, apply=apply_fn, collective=collective,
+            counter=self._hgsgc_skipped,
+            warning=lambda inc: ["hgsgc: warning: NaN/Inf gradient", on_some, "step",
+                                 self.iterations, "skipped (faults.nonfinite=skip)"],
+            warn=hvd.rank() == _lead_rank(ps) or not collective,
+            raise_message=["hgsgc: NaN/Inf gradient (faults.nonfinite=raise) at optimizer step",
+                           self.iterations],
+            verdict_name="hgsgc_finite")
 
     # --- mixed precision: Keras' LossScaleOptimizer around this optimizer --------------------
     def _aggregate_gradients(self, grads_and_vars):
@@ -215,26 +184,16 @@ class _HgsgcOptimizerMixin:
                 f"schedule (delay is {self._hgsgc_compression.delay}); use delay=1 or float32")
         variables = [v for _, v in grads_and_vars]
         names = _var_names(variables)
-        grads = faults.densify([g for g, _ in grads_and_vars], variables)
         key = tuple(names)
-        if key not in self._hgsgc_checked:
-            faults.check_same_signature(names, grads, self._hgsgc_exchanger.process_set,
-                                        settings=_settings(self._hgsgc_compression),
-                                        guard={"nonfinite": self._hgsgc_nonfinite,
-                                               "loss_scale": True})
-            self._hgsgc_checked.add(key)
-
-        def exchange():
-            return list(self._hgsgc_exchanger.exchange(grads, names))
-
-        if self._hgsgc_exchanger.pipeline is None:
-            avg = exchange()
-        else:
-            ok = faults.all_ranks_finite(grads, self._hgsgc_exchanger.process_set,
-                                         name=f"hgsgc_loss_scale_finite_{len(self._hgsgc_checked)}")
-            avg = tf.cond(ok, exchange,
-                          lambda: [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype))
-                                   for g in grads])
+        ex = self._hgsgc_exchanger
+        # always guarded, whatever the nonfinite mode: an overflow is the loss scaler's business
+        # (it halves its scale and skips), so a skip hands it all-NaN gradients on every rank
+        avg = _guard_nonfinite(
+            faults.densify([g for g, _ in grads_and_vars], variables), names, mode="skip",
+            process_set=ex.process_set, settings=_settings(self._hgsgc_compression),
+            guard={"nonfinite": self._hgsgc_nonfinite, "loss_scale": True},
+            checked=self._hgsgc_checked, key=key, exchange=lambda g: ex.exchange(g, names),
+            stateless=ex.pipeline is None, skip_with="nan", verdict_name="hgsgc_loss_scale_finite")
         self._hgsgc_pre_averaged = key
         return list(zip(avg, variables))
 
@@ -437,6 +396,110 @@ def _settings(comp) -> dict:
     return dict(to_dict()) if callable(to_dict) else {"compression": repr(comp)}
 
 
+def _guard_nonfinite(grads, names, *, mode, process_set, settings, guard, checked, key,
+                     exchange=None, stateless=False, apply=None, skip_with=None, collective=True,
+                     counter=None, warning=None, warn=False, raise_message=(),
+                     verdict_name="hgsgc_finite", verdict_id=None):
+    """The non-finite guard of every exchange in this module: optimizer steps
+    (``hgsgc_set_nonfinite``), tape ``gradient()`` calls (``nonfinite=``) and the loss-scale
+    optimizer's aggregation (mixed precision). docs/reliability.md.
+
+    1. Once per ``key`` (added to the set ``checked``): :func:`hgsgc.faults.check_same_signature`
+       of ``names`` / ``grads`` / ``settings`` / ``guard`` across ``process_set`` (a collective).
+    2. ``mode == "off"``: exchange (and apply), no check.
+    3. The verdict, a scalar bool: ``stateless`` (a dense exchange without state, e.g. an
+       allreduce) exchanges first and checks the average, which carries any rank's NaN/Inf, with
+       no extra collective; otherwise, ``collective``: one 4-byte ``allreduce(op=Min)`` of the
+       local verdict before the exchange (which writes residuals), the same on every rank;
+       not ``collective``: the local gradients only (delay > 1's local steps).
+    4. ``"raise"``: a ``tf.debugging.Assert`` with ``raise_message`` in front of the exchange.
+       ``"skip"``: ``tf.cond`` of the exchange against a skip that
+       runs no exchange (residuals, velocity, byte counts untouched) and adds 1 to ``counter``
+       (if given), printing ``warning(incremented counter)`` to stderr where ``warn``.
+
+    What a skip returns is the parameter ``apply`` / ``skip_with``:
+
+    * ``apply`` given (the optimizer): ``apply(exchanged values)`` applies the step; the result is
+      a scalar bool tensor, False when the step was skipped (nothing applied);
+    * ``skip_with="zeros"`` (tape ``"skip"``) or ``"nan"`` (the loss-scale path: a loss scaler
+      then halves its scale and skips on every rank alike): the result is the list of
+      exchanged values (``None`` where ``grads`` has ``None``), on a skip all-zero / all-NaN
+      tensors of the gradients' shapes and dtypes.
+
+    Args:
+        grads: list of dense tensors or ``None`` (:func:`hgsgc.faults.densify` first).
+        names: their names (the signature check's). exchange: ``list -> list`` of the same
+            length (default: the identity: nothing exchanged).
+        verdict_name, verdict_id: the verdict allreduce is named ``f"{verdict_name}_{verdict_id}"``
+            (default id: ``len(checked)``), the same on every rank of ``process_set``.
+
+    Raises:
+        ValueError: (check) a signature / setting / guard that differs across ranks; a
+            ``skip_with`` other than ``"zeros"`` / ``"nan"`` without ``apply``.
+        tf.errors.InvalidArgumentError: (``"raise"``, when run) a NaN/Inf gradient.
+    """
+    from hgsgc import faults
+
+    if apply is None and skip_with not in ("zeros", "nan"):
+        raise ValueError(f"skip_with must be 'zeros' or 'nan' without apply, got {skip_with!r}")
+    if key not in checked:
+        faults.check_same_signature(names, grads, process_set, settings=settings, guard=guard)
+        checked.add(key)
+    exchange = exchange if exchange is not None else list
+    live = [i for i, g in enumerate(grads) if g is not None]
+    if stateless:  # the average is what is checked: exchange first
+        values = list(exchange(grads))
+        step = lambda: values  # noqa: E731
+    else:
+        step = lambda: list(exchange(grads))  # noqa: E731
+
+    def run():
+        out = step()
+        if apply is None:
+            return [out[i] for i in live]
+        op = apply(out)
+        with tf.control_dependencies([op] if op is not None else []):
+            return tf.constant(True)
+
+    def finish(kept):
+        if apply is not None:
+            return kept
+        out = [None] * len(grads)
+        for i, t in zip(live, kept):
+            out[i] = t
+        return out
+
+    if mode == "off":
+        return finish(run())
+    if stateless:
+        ok = faults.all_finite(values)
+    elif collective:
+        uid = len(checked) if verdict_id is None else verdict_id
+        ok = faults.all_ranks_finite(grads, process_set, name=f"{verdict_name}_{uid}")
+    else:
+        ok = faults.all_finite(grads)
+    if mode == "raise":
+        with tf.control_dependencies([tf.debugging.Assert(ok, list(raise_message))]):
+            kept = run()
+            return finish(kept if apply is not None else [tf.identity(t) for t in kept])
+
+    def skip():
+        deps = []
+        if counter is not None:
+            inc = counter.assign_add(1)
+            deps.append(inc)
+            if warn and warning is not None:
+                deps.append(tf.print(*warning(inc), output_stream=sys.stderr))
+        with tf.control_dependencies(deps):
+            if apply is not None:
+                return tf.constant(False)
+            return [tf.zeros_like(grads[i]) if skip_with == "zeros"
+                    else tf.fill(tf.shape(grads[i]), tf.constant(float("nan"), grads[i].dtype))
+                    for i in live]
+
+    return finish(tf.cond(ok, run, skip))
+
+
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
 _TAPE_CHECKED = set()  # (id(exchanger), names): ranks' gradient signatures compared already
 _TAPE_SKIPPED = {}  # id(exchanger) -> int64 tf.Variable: gradient() calls skipped for NaN/Inf
@@ -520,8 +583,6 @@ class DistributedGradientTape:
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
                  scale_local_gradients=True, momentum=None, nonfinite="off"):
         _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
-        from hgsgc.faults import NONFINITE_MODES
-
         if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
         self._nonfinite = nonfinite
@@ -560,62 +621,22 @@ class DistributedGradientTape:
         # IndexedSlices dense, unknown static shapes from the sources (as the optimizer does)
         flat_g = faults.densify(tf.nest.flatten(grads, expand_composites=False), flat_src)
         names = _var_names(flat_src)
-        key = (id(self.exchanger), tuple(names))
-        if key not in _TAPE_CHECKED:  # once per model, as the optimizer does (a collective)
-            faults.check_same_signature(names, flat_g, self._process_set,
-                                        settings=dict(_settings(self._comp), momentum=self._momentum),
-                                        guard={"nonfinite": self._nonfinite})
-            _TAPE_CHECKED.add(key)
-        if self._nonfinite == "off":
-            avg = self.exchanger.exchange(flat_g, names)
-        else:
-            avg = self._guarded_exchange(flat_g, names)
-        return tf.nest.pack_sequence_as(grads, avg)
-
-    def _guarded_exchange(self, flat_g, names):
-        """The exchange under ``nonfinite`` "raise" / "skip" (see the class docstring)."""
-        from hgsgc import faults
-
-        ex, ps = self.exchanger, self._process_set
-        live = [i for i, g in enumerate(flat_g) if g is not None]
-
-        def exchange():
-            out = ex.exchange(flat_g, names)
-            return [out[i] for i in live]
-
-        if ex.pipeline is None:  # dense, stateless: exchange, then check the average (no collective)
-            avg = exchange()
-            ok = faults.all_finite(avg)
-            run = lambda: avg  # noqa: E731
-        else:  # residuals are written inside the exchange: agree on the verdict before it
+        ex, ps, mode = self.exchanger, self._process_set, self._nonfinite
+        avg = _guard_nonfinite(
+            flat_g, names, mode=mode, process_set=ps,
+            settings=dict(_settings(self._comp), momentum=self._momentum), guard={"nonfinite": mode},
+            checked=_TAPE_CHECKED, key=(id(ex), tuple(names)),  # once per model, as the optimizer
+            exchange=lambda g: ex.exchange(g, names), stateless=ex.pipeline is None,
+            skip_with="zeros", counter=_tape_skipped_var(ex) if mode == "skip" else None,
+            warning=lambda inc: ["hgsgc: warning: NaN/Inf gradient on some rank: tape gradient() "
+                                 "skipped (nonfinite='skip'), skipped so far:", inc],
+            warn=mode == "skip" and hvd.rank() == _lead_rank(ps),
+            raise_message=["hgsgc: NaN/Inf gradient on some rank (DistributedGradientTape "
+                           "nonfinite=raise)"],
             # named after the exchanger (numbered per process set), not after the process-wide
             # count of checked tapes, which differs on a rank that also ran tapes on other sets
-            ok = faults.all_ranks_finite([flat_g[i] for i in live], ps,
-                                         name=f"hgsgc_tape_finite_{ex._uid}")
-            run = exchange
-        if self._nonfinite == "raise":
-            with tf.control_dependencies([tf.debugging.Assert(
-                    ok, ["hgsgc: NaN/Inf gradient on some rank (DistributedGradientTape "
-                         "nonfinite=raise)"])]):
-                kept = [tf.identity(t) for t in run()]
-        else:
-            skipped = _tape_skipped_var(ex)
-
-            def skip():
-                inc = skipped.assign_add(1)
-                deps = [inc]
-                if hvd.rank() == _lead_rank(ps):
-                    deps.append(tf.print("hgsgc: warning: NaN/Inf gradient on some rank: tape "
-                                         "gradient() skipped (nonfinite='skip'), skipped so far:",
-                                         inc, output_stream=sys.stderr))
-                with tf.control_dependencies(deps):
-                    return [tf.zeros_like(flat_g[i]) for i in live]
-
-            kept = tf.cond(ok, run, skip)
-        out = [None] * len(flat_g)
-        for i, t in zip(live, kept):
-            out[i] = t
-        return out
+            verdict_name="hgsgc_tape_finite", verdict_id=ex._uid)
+        return tf.nest.pack_sequence_as(grads, avg)
 
     @property
     def skipped_steps(self) -> int:
