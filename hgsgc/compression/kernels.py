@@ -371,12 +371,13 @@ def decode_accumulate(gathered, numel, k, bits, offset=0, backend=None, index_co
         float32 ``[numel]``.
 
     Raises:
-        tf.errors.InvalidArgumentError: a payload whose indices reach ``numel``, or (custom) are
-            not strictly ascending; an Elias-Fano payload whose high part holds fewer than ``k``
-            set bits in its ``H`` bits (encode never produces either; e.g. ranks that disagree
-            on ``index_coding``); rows shorter than ``offset`` + the payload length when ``P``
-            is not static (a static ``P`` is a ValueError); ``numel >= 2^31`` (custom). The
-            reference adds out-of-order indices without an error.
+        tf.errors.InvalidArgumentError: a payload whose indices reach ``numel`` or are not
+            strictly ascending (a duplicate included), naming the rank, entry and index (both
+            backends: ``payload of rank R: entry J has index I ...``); an Elias-Fano payload
+            whose high part holds fewer than ``k`` set bits in its ``H`` bits (encode never
+            produces either; e.g. ranks that disagree on ``index_coding``); rows shorter than
+            ``offset`` + the payload length when ``P`` is not static (a static ``P`` is a
+            ValueError); ``numel >= 2^31`` (custom).
         ValueError: bad shapes, ``k``, ``bits``, ``offset``, ``index_coding`` or ``divisor``;
             ``numel >= 2^31`` (reference).
         RuntimeError: the custom library is missing (``backend="custom"``) or predates
@@ -416,7 +417,8 @@ def _decode_accumulate_reference_sum(gathered, numel, k, bits, offset, index_cod
     gathered, numel, k, bits, offset, p = _check_gathered(gathered, numel, k, bits, offset, index_coding)
     idxs, vals = [], []
     for r in range(int(gathered.shape[0])):
-        i, v = wire.decode(gathered[r, offset:offset + p], numel, k, bits, index_coding)
+        i, v = wire.decode(gathered[r, offset:offset + p], numel, k, bits, index_coding,
+                           what=f"payload of rank {r}: ")
         idxs.append(i)
         vals.append(v)
     if not idxs or k == 0:

@@ -187,16 +187,22 @@ def encode_indices(indices: tf.Tensor, numel: int, index_coding: str = "fixed") 
     return tf.ensure_shape(out, [index_bytes(numel, k, index_coding)])
 
 
-def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "fixed") -> tf.Tensor:
+def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "fixed",
+                   what: str = "") -> tf.Tensor:
     """Inverse of :func:`encode_indices`: uint8 ``[index_bytes(numel, k, index_coding)]`` ->
     int32 ``[k]``.
 
+    ``what`` (e.g. ``"payload of rank 2: "``) is put in front of the messages below.
+
     Raises:
         tf.errors.InvalidArgumentError (when run): a section of another length (``unpack_bits``
-            names both), or an Elias-Fano section whose first ``H`` high bits hold fewer than
-            ``k`` set bits (encode never produces one; the padding bits after ``H`` are not read).
-            The decoded indices are not checked otherwise (a corrupt section can give indices
-            ``>= numel`` or out of order; ``tf.scatter_nd`` refuses the former).
+            names both); an Elias-Fano section whose first ``H`` high bits hold fewer than
+            ``k`` set bits (encode never produces one; the padding bits after ``H`` are not read);
+            decoded indices that are not strictly ascending in ``[0, numel)`` (a corrupt section:
+            a duplicate would be added twice, one ``>= numel`` has no entry), as
+            ``HgsgcDecodeAccumulate`` refuses them: ``wire.decode_indices: WHAT entry J has index
+            I (indices must be strictly ascending)`` or ``... has index I >= numel = N``, naming
+            the first such entry.
         ValueError: ``numel >= 2^31`` or an unknown ``index_coding``.
     """
     check_index_coding(index_coding)
@@ -205,7 +211,7 @@ def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "
     if k == 0:
         return tf.zeros([0], tf.int32)
     if index_coding == "fixed":
-        return ops.unpack_bits(section, index_width(numel), k)
+        return _check_decoded(ops.unpack_bits(section, index_width(numel), k), numel, what)
     low = ef_low_bits(numel, k)
     high = ef_high_bits(numel, k)
     low_bytes = (k * low + 7) // 8
@@ -220,7 +226,20 @@ def decode_indices(section: tf.Tensor, numel: int, k: int, index_coding: str = "
     idx = tf.bitwise.left_shift(pos - tf.range(k, dtype=tf.int32), low)
     if low > 0:
         idx = tf.bitwise.bitwise_or(idx, ops.unpack_bits(section[:low_bytes], low, k))
-    return idx
+    return _check_decoded(idx, numel, what)
+
+
+def _check_decoded(idx, numel, what):
+    """``idx`` (int32 ``[k]``, k >= 1) after an assertion that it is strictly ascending in
+    ``[0, numel)``, naming the first entry that is not (the message of HgsgcDecodeAccumulate)."""
+    bad = tf.logical_or(idx >= numel, tf.concat([[False], idx[1:] <= idx[:-1]], 0))
+    j = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)  # the first bad entry
+    why = tf.where(idx[j] >= numel, f" >= numel = {numel}", " (indices must be strictly ascending)")
+    check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [tf.strings.join([
+        f"wire.decode_indices: {what}entry ", tf.strings.as_string(j), " has index ",
+        tf.strings.as_string(idx[j]), why])])
+    with tf.control_dependencies([check]):
+        return tf.identity(idx)
 
 
 def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int, index_coding: str = "fixed"):
@@ -254,18 +273,21 @@ def encode(indices: tf.Tensor, values: tf.Tensor, numel: int, bits: int, index_c
     return payload, sent
 
 
-def decode(payload: tf.Tensor, numel: int, k: int, bits: int, index_coding: str = "fixed"):
+def decode(payload: tf.Tensor, numel: int, k: int, bits: int, index_coding: str = "fixed",
+           what: str = ""):
     """Inverse of :func:`encode`: uint8 ``[payload_length(numel, k, bits, index_coding)]`` ->
     ``(indices int32 [k], values float32 [k])`` (for ``bits=2`` the dequantized values).
 
     Args:
         payload: uint8 ``[payload_length(numel, k, bits, index_coding)]`` (exactly: a longer
             ``bits=32`` payload would give more values). numel, k, bits, index_coding: as
-            :func:`encode` (the sender's).
+            :func:`encode` (the sender's). what: names the payload in errors (e.g.
+            ``"payload of rank 2: "``).
 
     Raises:
-        tf.errors.InvalidArgumentError (when run): a short payload or a malformed Elias-Fano
-            index section (:func:`decode_indices`).
+        tf.errors.InvalidArgumentError (when run): a short payload, a malformed Elias-Fano
+            index section, or indices that are not strictly ascending in ``[0, numel)``
+            (duplicates included; :func:`decode_indices`).
         ValueError: ``numel >= 2^31`` or an unknown ``index_coding``.
     """
     check_index_coding(index_coding)
@@ -275,10 +297,10 @@ def decode(payload: tf.Tensor, numel: int, k: int, bits: int, index_coding: str 
     if bits == 2:
         scales = _bytes_to_f32(payload[: quantize.SCALE_BYTES])
         off = quantize.SCALE_BYTES
-        indices = decode_indices(payload[off: off + idx_bytes], numel, k, index_coding)
+        indices = decode_indices(payload[off: off + idx_bytes], numel, k, index_coding, what)
         codes = quantize.unpack_codes(payload[off + idx_bytes:], k)
         values = quantize.dequantize_2bit(codes, scales)
     else:
-        indices = decode_indices(payload[:idx_bytes], numel, k, index_coding)
+        indices = decode_indices(payload[:idx_bytes], numel, k, index_coding, what)
         values = _bytes_to_f32(payload[idx_bytes:])
     return indices, values
