@@ -413,7 +413,7 @@ def _guard_nonfinite(grads, names, *, mode, process_set, settings, guard, checke
        local verdict before the exchange (which writes residuals), the same on every rank;
        not ``collective``: the local gradients only (delay > 1's local steps).
     4. ``"raise"``: a ``tf.debugging.Assert`` with ``raise_message`` in front of the exchange.
-       ``"skip"``: ``tf.cond`` of the exchange against a skip that
+       ``"skip"`` (and the tape's ``"nan"``): ``tf.cond`` of the exchange against a skip that
        runs no exchange (residuals, velocity, byte counts untouched) and adds 1 to ``counter``
        (if given), printing ``warning(incremented counter)`` to stderr where ``warn``.
 
@@ -421,8 +421,8 @@ def _guard_nonfinite(grads, names, *, mode, process_set, settings, guard, checke
 
     * ``apply`` given (the optimizer): ``apply(exchanged values)`` applies the step; the result is
       a scalar bool tensor, False when the step was skipped (nothing applied);
-    * ``skip_with="zeros"`` (tape ``"skip"``) or ``"nan"`` (the loss-scale path: a loss scaler
-      then halves its scale and skips on every rank alike): the result is the list of
+    * ``skip_with="zeros"`` (tape ``"skip"``) or ``"nan"`` (tape ``"nan"``, the loss-scale path: a
+      loss scaler then halves its scale and skips on every rank alike): the result is the list of
       exchanged values (``None`` where ``grads`` has ``None``), on a skip all-zero / all-NaN
       tensors of the gradients' shapes and dtypes.
 
@@ -500,6 +500,9 @@ def _guard_nonfinite(grads, names, *, mode, process_set, settings, guard, checke
     return finish(tf.cond(ok, run, skip))
 
 
+#: ``DistributedGradientTape(nonfinite=...)``: the optimizer's modes plus ``"nan"`` (for a
+#: LossScaleOptimizer: a skipped call returns all-NaN gradients on every rank).
+TAPE_NONFINITE_MODES = NONFINITE_MODES + ("nan",)
 _TAPE_EXCHANGERS = {}  # (compression, id(process_set), source ids, momentum) -> (keep-alive refs, Exchanger)
 _TAPE_CHECKED = set()  # (id(exchanger), names): ranks' gradient signatures compared already
 _TAPE_SKIPPED = {}  # id(exchanger) -> int64 tf.Variable: gradient() calls skipped for NaN/Inf
@@ -563,16 +566,36 @@ class DistributedGradientTape:
     with no extra collective: that allreduce has run when the call is skipped, so its bytes are
     counted (the byte counters and ``rng_step`` include the skipped call; nothing else changes). Zero gradients change nothing under plain SGD, but an optimizer with
     momentum or Adam still advances its own slots: for an exact skip of the whole step use
-    :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``. Not with dynamic loss
-    scaling (``tf.keras.mixed_precision.LossScaleOptimizer``): it lowers its scale only when it
-    sees a non-finite gradient, which ``"skip"`` replaces by zeros, so a scale that overflows stays
-    and every step is skipped (2 ranks, a float16 loss overflowing at the initial scale 2^15: 6 of
-    6 calls skipped, scale still 32768; with ``"off"`` and ``Compression.none`` it fell to 512).
+    :func:`DistributedOptimizer` with ``hgsgc_set_nonfinite("skip")``.
+
+    Mixed precision (dynamic loss scaling, ``tf.keras.mixed_precision.LossScaleOptimizer``): pass
+    ``nonfinite="nan"``. The loss scaler lowers its scale only when it sees a non-finite gradient;
+    as with Horovod's tape (whose average carries any rank's Inf/NaN), an overflow on any rank must
+    reach it on every rank. ``"nan"`` does that without letting the overflow into compression
+    state: when any rank's gradient is non-finite, ``gradient()`` returns all-NaN gradients on
+    every rank and the exchange does not run (residuals, velocity, PowerSGD factors and byte
+    counts untouched; dense ``none`` / ``fp16``: its allreduce ran, as for ``"skip"``), so
+    ``apply_gradients`` of the loss scaler halves its scale and skips the step on every rank
+    alike; :attr:`skipped_steps` counts these calls (no warning: overflows are how the scaler
+    finds its scale). Under a float16 Keras policy (``mixed_float16``) two modes are refused
+    with an error naming ``"nan"``: ``"skip"``, whose zeros look finite to the scaler, so its
+    scale never drops (before the check, 2 ranks, a float16 loss overflowing at the initial scale
+    2^15: 6 of 6 calls skipped, scale still 32768), and ``"off"`` with a compression that keeps
+    state (error feedback, DGC, PowerSGD), which lets the overflow into it (every later average
+    non-finite). ``"off"`` with ``none`` / ``fp16`` / TernGrad behaves as Horovod's tape and
+    stays allowed. The tape exchanges the gradients of the *scaled* loss (as Horovod's tape; the
+    caller unscales after ``gradient()``), so error-feedback residuals and DGC velocity hold values
+    in units of the loss scale of the call that left them: when the scale changes (halved after an
+    overflow, doubled after ``dynamic_growth_steps`` finite steps) the carried residual counts
+    twice / half against the next gradient, once. For error feedback in unscaled units use
+    ``LossScaleOptimizer(hgsgc.DistributedOptimizer(...))`` (it exchanges the unscaled gradients).
 
     Raises:
         ValueError: ``compression`` with ``delay > 1``; momentum correction without
             ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument;
-            ``nonfinite`` not one of ``"off"``, ``"skip"``, ``"raise"``;
+            ``nonfinite`` not one of ``"off"``, ``"skip"``, ``"raise"``, ``"nan"``;
+            under a float16 (``mixed_float16``) Keras policy, ``nonfinite="skip"``, or ``"off"``
+            with a compression that keeps state;
             (from ``gradient()``) a gradient whose shape or dtype differs across ranks.
         tf.errors.InvalidArgumentError: (from ``gradient()``, ``nonfinite="raise"``) a NaN/Inf
             gradient on some rank, on every rank alike.
@@ -583,10 +606,28 @@ class DistributedGradientTape:
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
                  scale_local_gradients=True, momentum=None, nonfinite="off"):
         _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
-        if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
-        self._nonfinite = nonfinite
+        if not isinstance(nonfinite, str) or nonfinite not in TAPE_NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(TAPE_NONFINITE_MODES)}, got {nonfinite!r}")
         comp = as_compression(compression)
+        policy = tf.keras.mixed_precision.global_policy()
+        # state an overflow would poison: residuals (error feedback; DGC velocity needs it) or
+        # PowerSGD's warm-started factors (TernGrad and the dense settings keep none)
+        stateful = comp.compressed and (getattr(comp, "error_feedback", False)
+                                        or getattr(comp, "method", None) == "powersgd")
+        if policy.compute_dtype == "float16" and (nonfinite == "skip" or (
+                nonfinite == "off" and stateful)):
+            why = ("a skipped call returns zeros, which a LossScaleOptimizer takes for finite "
+                   "gradients, so its loss scale never drops and every later step overflows again"
+                   if nonfinite == "skip" else
+                   f"compression {comp.to_dict().get('method')} keeps state across calls "
+                   "(residuals, velocity or PowerSGD factors): a loss-scale overflow (Inf gradient) "
+                   "would enter it and every later average would be non-finite")
+            raise ValueError(
+                f"DistributedGradientTape(nonfinite={nonfinite!r}) under the {policy.name} policy: "
+                f"{why}; pass nonfinite='nan' (a NaN/Inf on any rank gives all-NaN gradients on "
+                "every rank without exchanging, so the loss scaler halves its scale and skips the "
+                "step everywhere) or 'raise'")
+        self._nonfinite = nonfinite
         if comp.delay != 1:
             raise ValueError("DistributedGradientTape exchanges every step: use "
                              "hgsgc.DistributedOptimizer for compression with delay > 1")
@@ -627,7 +668,8 @@ class DistributedGradientTape:
             settings=dict(_settings(self._comp), momentum=self._momentum), guard={"nonfinite": mode},
             checked=_TAPE_CHECKED, key=(id(ex), tuple(names)),  # once per model, as the optimizer
             exchange=lambda g: ex.exchange(g, names), stateless=ex.pipeline is None,
-            skip_with="zeros", counter=_tape_skipped_var(ex) if mode == "skip" else None,
+            skip_with="nan" if mode == "nan" else "zeros",
+            counter=_tape_skipped_var(ex) if mode in ("skip", "nan") else None,
             warning=lambda inc: ["hgsgc: warning: NaN/Inf gradient on some rank: tape gradient() "
                                  "skipped (nonfinite='skip'), skipped so far:", inc],
             warn=mode == "skip" and hvd.rank() == _lead_rank(ps),
