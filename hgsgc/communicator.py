@@ -69,7 +69,9 @@ class Exchanger:
         self.node_sizes = node_sizes
         self.momentum = momentum
         self._plan = None
-        key = None if _is_global(self.comm.process_set) else tuple(self.comm.process_set.ranks)
+        ps = self.comm.process_set
+        ranks = getattr(ps, "ranks", None)
+        key = None if _is_global(ps) else (tuple(ranks) if ranks else ("set", id(ps)))
         self._uid = Exchanger._instances.get(key, 0)
         Exchanger._instances[key] = self._uid + 1
         self._compression = None
