@@ -7,6 +7,71 @@ import pytest
 
 from conftest import mpi_result
 
+LSO_CASES = ["powersgd", "terngrad", "efsignsgd", "dgc", "sgc_tree", "sgc_node", "sgc_buckets2",
+             "topk_fixed"]
+
+
+# ------------------------------------------------------------------ mixed precision (held)
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_", [2, 3])
+def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_):
+    """Held under attack: LossScaleOptimizer(hgsgc.DistributedOptimizer(...)) with the compressions
+    tests/test_loss_scale.py leaves out (PowerSGD, TernGrad, EF-SignSGD, DGC with its velocity,
+    SGC tree / node / 2 buckets, top-k with the fixed coding), eager and tf.function, and SGC on a
+    process set without world rank 0: an overflow on one rank at call 1 is skipped on every rank
+    (scale 1024 -> 512 everywhere), and the weights and the whole hgsgc state tree (residuals,
+    velocity, PowerSGD factors, random-number step, byte counters) equal a run that never had
+    call 1, bit for bit, identical on every rank."""
+    out = mpi_result(np_, ["tests/mpi/brk11_loss_scale.py"], timeout=600)
+    recs = out["ranks"]
+    for case in [f"{c}_{m}" for c in LSO_CASES for m in ("eager", "graph")]:
+        for r in recs:
+            got = r[case]
+            assert got["weights_equal_ref"] and got["state_diff"] == [] and got["finite"], (case, r["rank"], got)
+            assert got["n_state"] > 0, (case, got)
+            assert got["scales"] == [1024.0, 512.0, 512.0] and got["scales_ref"] == [1024.0, 1024.0], (case, got)
+            assert got["w"] == recs[0][case]["w"], (case, r["rank"])  # the same weights on every rank
+    sub = [r for r in recs if r["rank"] != 0]
+    assert "subset" not in recs[0]
+    for r in sub:
+        got = r["subset"]
+        assert got["weights_equal_ref"] and got["state_diff"] == [], got
+        assert got["scales"] == [1024.0, 512.0, 512.0], got
+        assert got["w"] == sub[0]["subset"]["w"]
+
+
+# ------------------------------------------------------------------ Elias-Fano by default (held)
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_", [3, 5])
+def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_counts(np_):
+    """Held under attack: the default Elias-Fano coding through hgsgc.DistributedOptimizer on 3 and
+    5 ranks, with variables of numel 0, 1, 2, 9, 0x4 and 257 (SGC 2-bit, tree, node fp32, 3
+    buckets, delay 2; top-k with k < numel and k == numel; DGC), on the world and on process sets
+    (every other rank; every rank but 0): weights and state equal the fixed coding's bit for bit,
+    payload bytes = the formula per exchange (empty variables send nothing), the first update
+    equals numpy's sparse average, weights identical on every member rank."""
+    out = mpi_result(np_, ["tests/mpi/brk11_ef.py"], timeout=900)
+    recs = out["ranks"]
+    seen = 0
+    for r in recs:
+        for case, got in r.items():
+            if case == "rank":
+                continue
+            seen += 1
+            assert got["weights_equal"] and got["state_diff"] == [] and got["shapes_ok"], (case, r["rank"], got)
+            n_ex = got["exchanges"]
+            delay = 2 if case.endswith("delay2") else 1
+            assert n_ex == 4 // delay, (case, got)  # brk11_ef.CALLS = 4
+            for cd in ("fixed", "elias_fano"):
+                assert got["payload"][cd] == n_ex * got["P"][cd], (case, cd, got)
+            assert got["P"]["elias_fano"] <= got["P"]["fixed"], (case, got)
+            if "first_vs_numpy" in got:
+                assert got["first_vs_numpy"] <= 1e-6, (case, got)
+            peers = [q[case]["w"] for q in recs if case in q]
+            assert len(peers) == got["members"] and all(p == got["w"] for p in peers), case
+    assert seen > 0
+
+
 # ------------------------------------------------------------------ op names per process set (fix)
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3, 4])
