@@ -1230,6 +1230,25 @@ REGISTER_OP("HgsgcCompress")
     })
     .Doc("Fused compensate (grad + residual) + top-k + encode + residual update (empty residual: no error feedback).");
 
+// Shape of the payload of an op that compresses input 0 (a float32 gradient of any shape) into a
+// resource variable: a vector of PayloadLength(numel, k, bits, coding) bytes when numel is static.
+static Status VariableCompressShape(InferenceContext* c, const char* op) {
+  int64_t k = 0;
+  int bits = 0;
+  bool ef = false;
+  TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+  TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+  TF_RETURN_IF_ERROR(ReadIndexCoding(c, op, &ef));
+  int64_t n = -1;
+  if (c->FullyDefined(c->input(0))) {
+    n = 1;
+    for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
+  }
+  c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) && k <= n ? c->MakeDim(PayloadLength(n, k, bits, ef))
+                                                                 : c->UnknownDim()));
+  return ::tensorflow::OkStatus();
+}
+
 REGISTER_OP("HgsgcCompressResidual")
     .Input("grad: float")
     .Input("residual: resource")
@@ -1241,22 +1260,7 @@ REGISTER_OP("HgsgcCompressResidual")
     .Attr("margin: float = 1.5")
     .Attr("index_coding: {'fixed', 'elias_fano'} = 'fixed'")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> Status {
-      int64_t k = 0;
-      int bits = 0;
-      bool ef = false;
-      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
-      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
-      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcCompressResidual", &ef));
-      int64_t n = -1;
-      if (c->FullyDefined(c->input(0))) {
-        n = 1;
-        for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
-      }
-      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) && k <= n ? c->MakeDim(PayloadLength(n, k, bits, ef))
-                                                                     : c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return VariableCompressShape(c, "HgsgcCompressResidual"); })
     .Doc("HgsgcCompress with the residual a float32 resource variable (any shape) updated in place.");
 
 REGISTER_OP("HgsgcCompressMomentum")
@@ -1273,22 +1277,7 @@ REGISTER_OP("HgsgcCompressMomentum")
     .Attr("momentum: float")
     .Attr("masking: bool = true")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> Status {
-      int64_t k = 0;
-      int bits = 0;
-      bool ef = false;
-      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
-      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
-      TF_RETURN_IF_ERROR(ReadIndexCoding(c, "HgsgcCompressMomentum", &ef));
-      int64_t n = -1;
-      if (c->FullyDefined(c->input(0))) {
-        n = 1;
-        for (int i = 0; i < c->Rank(c->input(0)); ++i) n *= c->Value(c->Dim(c->input(0), i));
-      }
-      c->set_output(0, c->Vector(n >= 0 && (bits == 2 || bits == 32) && k <= n ? c->MakeDim(PayloadLength(n, k, bits, ef))
-                                                                     : c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return VariableCompressShape(c, "HgsgcCompressMomentum"); })
     .Doc("HgsgcCompressResidual of u = momentum * velocity + grad, the velocity (a float32 resource "
          "variable) set to u and, with masking, cleared where the sent value is not 0.");
 

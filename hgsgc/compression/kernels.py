@@ -267,13 +267,7 @@ def compress_into(grad, residual, k, bits, sample_size=DEFAULT_SAMPLE_SIZE, marg
         RuntimeError: the custom library is missing (``backend="custom"``) or predates
             ``index_coding`` (``"elias_fano"``: rebuild it).
     """
-    grad = tf.convert_to_tensor(grad)
-    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
-        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
-    numel = int(grad.shape.num_elements())
-    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
-            or residual.shape.num_elements() != numel:
-        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    grad, numel = _check_grad_and_residual_variable(grad, residual)
     k = _check_k(k, numel)
     bits = _check_bits(bits)
     sample_size, margin = _check_select_args(sample_size, margin)
@@ -438,6 +432,23 @@ def _momentum_ops(backend):
     return lib if hasattr(lib, "hgsgc_momentum_accumulate") else None
 
 
+def _check_grad_and_residual_variable(grad, residual):
+    """``(grad as a tensor, its numel)`` after checking a float32 gradient of static shape and a
+    float32 ``tf.Variable`` residual of as many entries.
+
+    Raises:
+        ValueError: either does not match.
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
+        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
+    numel = int(grad.shape.num_elements())
+    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
+            or residual.shape.num_elements() != numel:
+        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    return grad, numel
+
+
 def _check_velocity(velocity, numel, what):
     if not isinstance(velocity, tf.Variable) or velocity.dtype != tf.float32 \
             or velocity.shape.num_elements() != numel:
@@ -553,13 +564,7 @@ def compress_momentum_into(grad, residual, velocity, momentum, k, bits, masking=
             ``margin``, ``index_coding``, or the residual and the velocity are one variable.
         RuntimeError: the custom library is missing (``backend="custom"``).
     """
-    grad = tf.convert_to_tensor(grad)
-    if grad.dtype != tf.float32 or not grad.shape.is_fully_defined():
-        raise ValueError(f"grad must be float32 with a static shape, got {grad.dtype.name} {grad.shape}")
-    numel = int(grad.shape.num_elements())
-    if not isinstance(residual, tf.Variable) or residual.dtype != tf.float32 \
-            or residual.shape.num_elements() != numel:
-        raise ValueError(f"residual must be a float32 tf.Variable of {numel} entries, got {residual!r}")
+    grad, numel = _check_grad_and_residual_variable(grad, residual)
     _check_velocity(velocity, numel, "compress_momentum_into")
     if velocity is residual:
         raise ValueError("compress_momentum_into: residual and velocity must be two different "
