@@ -51,9 +51,7 @@ class ErrorFeedback(Wrapper):
             # fused path (hgsgc.ops.compress_into): compensate, encode and update the residual
             # in place in one pass over each tensor; same residuals and payloads bit for bit
             residuals = [self.memory.residual(nm, v.shape) for nm, v in zip(names, views)]
-            if momentum is not None:
-                return self.inner.reduce(views, names, ctx, residuals=residuals, momentum=momentum)
-            return self.inner.reduce(views, names, ctx, residuals=residuals)
+            return self.inner.reduce(views, names, ctx, residuals=residuals, momentum=momentum)
         if momentum is not None:
             raise ValueError("ErrorFeedback.reduce: momentum is folded in only on the fused "
                              "allgather path (ErrorFeedback.fused(views)); apply it before")
@@ -110,8 +108,7 @@ class MomentumCorrection(Wrapper):
             # session 11: u = m v + x, error feedback, selection, encoding and the masking in one
             # kernel per tensor (HgsgcCompressMomentum, through ErrorFeedback's fused allgather
             # path): the bits of the composed path below (tests/test_kernels11.py)
-            return self.inner.reduce([tf.cast(v, tf.float32) for v in views], names, ctx,
-                                     momentum=(vels, m, self.masking))
+            return self.inner.reduce(list(views), names, ctx, momentum=(vels, m, self.masking))
         # u = m u + x and the masking below: one C++ pass each where the kernels are built
         # (ops/momentum_mask.cc), else TF ops; the same bits either way (tests/test_kernels10.py)
         # (m = 0 keeps the TF ops: in graphs grappler folds their 0 * v away, so a -0 / NaN of
