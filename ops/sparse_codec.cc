@@ -780,6 +780,41 @@ class CompressOp : public OpKernel {
   bool ef_ = false;
 };
 
+// The runtime side of VariableCompressShape: the input checks HgsgcCompressResidual and
+// HgsgcCompressMomentum share (session 12; the same messages as each op had on its own). `seed`
+// (input `seed_input`) must be an int64 scalar; the gradient (input 0, any shape) must have fewer
+// than 2^31 entries and at least k. Sets *n to the gradient's entry count.
+Status CheckVariableCompressInputs(OpKernelContext* ctx, const char* op, const SelectAttrs& at,
+                                   int seed_input, int64_t* n) {
+  if (!TensorShapeUtils::IsScalar(ctx->input(seed_input).shape()))
+    return errors::InvalidArgument(op, ": seed must be an int64 scalar");
+  *n = ctx->input(0).NumElements();
+  if (*n >= (int64_t{1} << 31))
+    return errors::InvalidArgument(op, ": grad has ", *n, " entries; at most 2^31 - 1 are supported");
+  if (at.k > *n) return errors::InvalidArgument(op, ": k = ", at.k, " exceeds numel = ", *n);
+  return ::tensorflow::OkStatus();
+}
+
+// `t` (the tensor of the variable called `what`, locked by the caller) must be an initialized
+// float32 tensor of n entries.
+Status CheckCompressVariable(const char* op, const char* what, const Tensor* t, int64_t n) {
+  if (t->IsInitialized() && t->dtype() == ::tensorflow::DT_FLOAT && t->NumElements() == n)
+    return ::tensorflow::OkStatus();
+  return errors::InvalidArgument(op, ": the ", what, " variable must be an initialized float32 "
+                                 "variable of ", n, " entries, got ",
+                                 t->IsInitialized() ? t->shape().DebugString() : "uninitialized");
+}
+
+// Where a compress op writes the new value of a locked variable: in place when nobody else holds
+// its buffer, else (copy-on-write, like TF's training ops) into *fresh, allocated here; the
+// caller then sets the variable's tensor to *fresh (returned *copy).
+Status VariableOutput(OpKernelContext* ctx, ::tensorflow::Var* var, Tensor* fresh, bool* copy) {
+  Tensor* t = var->tensor();
+  *copy = var->copy_on_read_mode.load() || !t->RefCountIsOne();
+  if (*copy) return ctx->allocate_temp(::tensorflow::DT_FLOAT, t->shape(), fresh);
+  return ::tensorflow::OkStatus();
+}
+
 // Same computation, the residual being a resource variable updated in place (under its mutex):
 // one pass reads grad and residual and writes the residual; no dense tensor is allocated unless
 // the variable's buffer is shared (then it is replaced, copy-on-write like TF's training ops).
@@ -793,38 +828,22 @@ class CompressResidualOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadIndexCoding(ctx, "HgsgcCompressResidual", &ef_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& grad = ctx->input(0);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(2).shape()),
-                errors::InvalidArgument("HgsgcCompressResidual: seed must be an int64 scalar"));
-    const int64_t n = grad.NumElements();
-    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
-                errors::InvalidArgument("HgsgcCompressResidual: grad has ", n,
-                                        " entries; at most 2^31 - 1 are supported"));
-    OP_REQUIRES(ctx, attrs_.k <= n,
-                errors::InvalidArgument("HgsgcCompressResidual: k = ", attrs_.k, " exceeds numel = ", n));
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, CheckVariableCompressInputs(ctx, "HgsgcCompressResidual", attrs_, 2, &n));
     ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
     OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 1), &var));
     ::tensorflow::mutex_lock lock(*var->mu());
     Tensor* res = var->tensor();
-    OP_REQUIRES(ctx, res->IsInitialized() && res->dtype() == ::tensorflow::DT_FLOAT &&
-                         res->NumElements() == n,
-                errors::InvalidArgument("HgsgcCompressResidual: the residual variable must be an "
-                                        "initialized float32 variable of ", n, " entries, got ",
-                                        res->IsInitialized() ? res->shape().DebugString() : "uninitialized"));
+    OP_REQUIRES_OK(ctx, CheckCompressVariable("HgsgcCompressResidual", "residual", res, n));
     Tensor* payload = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_, ef_)}),
                                              &payload));
-    const float* r = res->flat<float>().data();
-    if (var->copy_on_read_mode.load() || !res->RefCountIsOne()) {
-      Tensor fresh;  // someone holds the old value: write the new residual to a new buffer
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, res->shape(), &fresh));
-      CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, r, fresh.flat<float>().data(),
-                                SeedOf(ctx->input(2)), payload);
-      *res = fresh;
-    } else {
-      CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, r, res->flat<float>().data(),
-                                SeedOf(ctx->input(2)), payload);
-    }
+    Tensor fresh;
+    bool copy = false;
+    OP_REQUIRES_OK(ctx, VariableOutput(ctx, var.get(), &fresh, &copy));
+    CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, ctx->input(0), res->flat<float>().data(),
+                              (copy ? &fresh : res)->flat<float>().data(), SeedOf(ctx->input(2)), payload);
+    if (copy) *res = fresh;
   }
 
  private:
@@ -852,15 +871,8 @@ class CompressMomentumOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("masking", &masking_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& grad = ctx->input(0);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(3).shape()),
-                errors::InvalidArgument("HgsgcCompressMomentum: seed must be an int64 scalar"));
-    const int64_t n = grad.NumElements();
-    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
-                errors::InvalidArgument("HgsgcCompressMomentum: grad has ", n,
-                                        " entries; at most 2^31 - 1 are supported"));
-    OP_REQUIRES(ctx, attrs_.k <= n,
-                errors::InvalidArgument("HgsgcCompressMomentum: k = ", attrs_.k, " exceeds numel = ", n));
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, CheckVariableCompressInputs(ctx, "HgsgcCompressMomentum", attrs_, 3, &n));
     ::tensorflow::core::RefCountPtr<::tensorflow::Var> rvar, vvar;
     OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 1), &rvar));
     OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 2), &vvar));
@@ -875,22 +887,16 @@ class CompressMomentumOp : public OpKernel {
     ::tensorflow::mutex_lock lock2(*m2);
     Tensor* res = rvar->tensor();
     Tensor* vel = vvar->tensor();
-    for (const auto& [t, what] : {std::pair<Tensor*, const char*>{res, "residual"}, {vel, "velocity"}}) {
-      OP_REQUIRES(ctx, t->IsInitialized() && t->dtype() == ::tensorflow::DT_FLOAT && t->NumElements() == n,
-                  errors::InvalidArgument("HgsgcCompressMomentum: the ", what, " variable must be "
-                                          "an initialized float32 variable of ", n, " entries, got ",
-                                          t->IsInitialized() ? t->shape().DebugString() : "uninitialized"));
-    }
+    OP_REQUIRES_OK(ctx, CheckCompressVariable("HgsgcCompressMomentum", "residual", res, n));
+    OP_REQUIRES_OK(ctx, CheckCompressVariable("HgsgcCompressMomentum", "velocity", vel, n));
     Tensor* payload = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PayloadLength(n, attrs_.k, bits_, ef_)}),
                                              &payload));
-    // someone holds the old value of a variable: write it to a new buffer (copy-on-write)
     Tensor rfresh, vfresh;
-    const bool rcopy = rvar->copy_on_read_mode.load() || !res->RefCountIsOne();
-    const bool vcopy = vvar->copy_on_read_mode.load() || !vel->RefCountIsOne();
-    if (rcopy) OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, res->shape(), &rfresh));
-    if (vcopy) OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, vel->shape(), &vfresh));
-    CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, grad, res->flat<float>().data(),
+    bool rcopy = false, vcopy = false;
+    OP_REQUIRES_OK(ctx, VariableOutput(ctx, rvar.get(), &rfresh, &rcopy));
+    OP_REQUIRES_OK(ctx, VariableOutput(ctx, vvar.get(), &vfresh, &vcopy));
+    CompressFunctor<Device>()(ctx, attrs_, bits_, ef_, ctx->input(0), res->flat<float>().data(),
                               (rcopy ? &rfresh : res)->flat<float>().data(), SeedOf(ctx->input(3)),
                               payload, vel->flat<float>().data(),
                               (vcopy ? &vfresh : vel)->flat<float>().data(), momentum_, masking_);
