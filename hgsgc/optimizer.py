@@ -583,19 +583,39 @@ class DistributedGradientTape:
     2^15: 6 of 6 calls skipped, scale still 32768), and ``"off"`` with a compression that keeps
     state (error feedback, DGC, PowerSGD), which lets the overflow into it (every later average
     non-finite). ``"off"`` with ``none`` / ``fp16`` / TernGrad behaves as Horovod's tape and
-    stays allowed. The tape exchanges the gradients of the *scaled* loss (as Horovod's tape; the
-    caller unscales after ``gradient()``), so error-feedback residuals and DGC velocity hold values
-    in units of the loss scale of the call that left them: when the scale changes (halved after an
-    overflow, doubled after ``dynamic_growth_steps`` finite steps) the carried residual counts
-    twice / half against the next gradient, once. For error feedback in unscaled units use
-    ``LossScaleOptimizer(hgsgc.DistributedOptimizer(...))`` (it exchanges the unscaled gradients).
+    stays allowed.
+
+    Units (``loss_scale_optimizer``): ``gradient()`` gets gradients of the *scaled* loss and the
+    caller unscales its result (``opt.get_unscaled_gradients``), as with Horovod's tape. Pass the
+    ``LossScaleOptimizer`` whose ``get_scaled_loss`` scaled the target as
+    ``loss_scale_optimizer=opt``: a compressed exchange (every setting but ``none`` / ``fp16``)
+    then runs on ``g * (1 / s)`` (``s`` = ``opt.loss_scale`` read at each call, the reciprocal and
+    product as Keras' ``get_unscaled_gradients`` computes them) and returns ``average * s``, so the
+    state carried across calls (error-feedback residuals, DGC velocity, PowerSGD's error buffer and
+    factors) and DGC's local clipping threshold are in unscaled units whatever the scale does.
+    The caller's unscaling then gives exactly the average of
+    ``LossScaleOptimizer(hgsgc.DistributedOptimizer(...))``, which exchanges unscaled gradients:
+    bit for bit when ``s`` is a power of two (dynamic loss scaling only uses powers of two:
+    ``2^15`` at start, halved / doubled), else within two fp32 roundings (the product by ``s``
+    and the caller's by ``1 / s``). Unscaling before the exchange was chosen over rescaling the
+    carried state by ``s_new / s_old`` at each call: it needs no list of stateful leaves (every
+    wrapper, also the dense-vector velocity, is covered), no saved "scale of the state" in a
+    checkpoint (the state is always unscaled, so ``hgsgc_state()`` moves between the tape and the
+    optimizer path and a resume needs only the ``LossScaleOptimizer``'s own checkpoint), and DGC's
+    local clipping (not scale-equivariant) then clips the true gradient, as the optimizer path
+    does. Dense ``none`` / ``fp16`` keep the scaled gradients (as Horovod: fp16 loses small
+    unscaled values; fp32 averages scale exactly). Without ``loss_scale_optimizer`` the tape cannot
+    know the scale: a stateful compression then keeps its state in units of the scale of the call
+    that left it (a scale change makes the carried residual count twice / half against the next
+    gradient, once), and under a float16 policy the tape warns, naming ``loss_scale_optimizer``.
 
     Raises:
         ValueError: ``compression`` with ``delay > 1``; momentum correction without
             ``momentum`` (or ``momentum`` outside [0, 1)); an unsupported Horovod argument;
             ``nonfinite`` not one of ``"off"``, ``"skip"``, ``"raise"``, ``"nan"``;
             under a float16 (``mixed_float16``) Keras policy, ``nonfinite="skip"``, or ``"off"``
-            with a compression that keeps state;
+            with a compression that keeps state; ``loss_scale_optimizer`` that is not a Keras
+            ``LossScaleOptimizer`` (no ``loss_scale`` / ``get_unscaled_gradients``);
             (from ``gradient()``) a gradient whose shape or dtype differs across ranks.
         tf.errors.InvalidArgumentError: (from ``gradient()``, ``nonfinite="raise"``) a NaN/Inf
             gradient on some rank, on every rank alike.
@@ -604,7 +624,8 @@ class DistributedGradientTape:
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
-                 scale_local_gradients=True, momentum=None, nonfinite="off"):
+                 scale_local_gradients=True, momentum=None, nonfinite="off",
+                 loss_scale_optimizer=None):
         _check_unsupported(op, gradient_predivide_factor, 1, groups, num_groups)
         if not isinstance(nonfinite, str) or nonfinite not in TAPE_NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {', '.join(TAPE_NONFINITE_MODES)}, got {nonfinite!r}")
@@ -628,6 +649,26 @@ class DistributedGradientTape:
                 "every rank without exchanging, so the loss scaler halves its scale and skips the "
                 "step everywhere) or 'raise'")
         self._nonfinite = nonfinite
+        if loss_scale_optimizer is not None and not (
+                hasattr(loss_scale_optimizer, "loss_scale")
+                and callable(getattr(loss_scale_optimizer, "get_unscaled_gradients", None))):
+            raise ValueError(
+                "DistributedGradientTape(loss_scale_optimizer=...) takes the "
+                "tf.keras.mixed_precision.LossScaleOptimizer whose get_scaled_loss() scaled the "
+                f"target, got {type(loss_scale_optimizer).__name__}; leave it None without loss scaling")
+        # state kept across calls (error feedback, DGC velocity, PowerSGD): in unscaled units only
+        # if the tape knows the scale (docstring, "Units")
+        if (loss_scale_optimizer is None and policy.compute_dtype == "float16" and
+                (stateful or getattr(comp, "momentum_correction", False))):
+            import warnings
+
+            warnings.warn(
+                f"hgsgc: DistributedGradientTape with compression {comp.to_dict().get('method')} "
+                f"under the {policy.name} policy without loss_scale_optimizer: its residuals / "
+                "velocity / factors are kept in units of the loss scale, so each scale change makes "
+                "the carried state count twice or half; pass loss_scale_optimizer=<your "
+                "LossScaleOptimizer> to keep them in unscaled units", stacklevel=2)
+        self._loss_scale_opt = loss_scale_optimizer if comp.compressed else None
         if comp.delay != 1:
             raise ValueError("DistributedGradientTape exchanges every step: use "
                              "hgsgc.DistributedOptimizer for compression with delay > 1")
@@ -663,6 +704,11 @@ class DistributedGradientTape:
         flat_g = faults.densify(tf.nest.flatten(grads, expand_composites=False), flat_src)
         names = _var_names(flat_src)
         ex, ps, mode = self.exchanger, self._process_set, self._nonfinite
+        lso, scale = self._loss_scale_opt, None
+        if lso is not None:  # exchange in unscaled units (docstring, "Units")
+            scale = tf.convert_to_tensor(lso.loss_scale)  # read now: apply_gradients updates it
+            recip = 1.0 / scale  # as Keras' get_unscaled_gradients
+            flat_g = [None if g is None else g * tf.cast(recip, g.dtype) for g in flat_g]
         avg = _guard_nonfinite(
             flat_g, names, mode=mode, process_set=ps,
             settings=dict(_settings(self._comp), momentum=self._momentum), guard={"nonfinite": mode},
@@ -678,6 +724,8 @@ class DistributedGradientTape:
             # named after the exchanger (numbered per process set), not after the process-wide
             # count of checked tapes, which differs on a rank that also ran tapes on other sets
             verdict_name="hgsgc_tape_finite", verdict_id=ex._uid)
+        if scale is not None:  # back to the units of the scaled loss: the caller unscales
+            avg = [None if a is None else a * tf.cast(scale, a.dtype) for a in avg]
         return tf.nest.pack_sequence_as(grads, avg)
 
     @property
