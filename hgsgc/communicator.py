@@ -129,8 +129,46 @@ class Exchanger:
             if self.hierarchy == "tree":
                 self._plan = hier.tree_plan(self.size)
             else:
-                self._plan = hier.node_plan(hier.discover_hosts(self.comm.world_ranks, self.node_sizes))
+                self._plan = hier.node_plan(hier.discover_hosts(self.comm.world_ranks, self._node_spec()))
         return self._plan
+
+    def _node_spec(self):
+        """``node_sizes``, else ``$HGSGC_RANKS_PER_NODE``, else None (discover the hosts), after
+        one ``allgather_object`` over the process set has checked that every rank has the same.
+
+        A rank with the variable skips the host discovery (an MPI collective) that a rank without
+        it enters, so a variable set on some ranks only (``HGSGC_RANKS_PER_NODE=4 mpirun -H a:4,b:4``
+        without ``-x``: Open MPI does not forward it to other hosts) hung the first node exchange
+        (brk12); different values built different schedules.
+
+        Raises:
+            ValueError: on every rank alike, naming the ranks and their values.
+        """
+        import os
+
+        env = os.environ.get(hier.ENV_RANKS_PER_NODE) or None
+        mine = (None if self.node_sizes is None else repr(self.node_sizes), env)
+        if self.size > 1:
+            from horovod.tensorflow.functions import allgather_object
+
+            with tf.init_scope():
+                every = allgather_object(mine, process_set=self.comm.process_set)
+            if any(v != every[0] for v in every):
+                ranks = self.comm.world_ranks
+                key = 0 if any(v[0] != every[0][0] for v in every) else 1
+                what = "Exchanger(node_sizes=...)" if key == 0 else f"${hier.ENV_RANKS_PER_NODE}"
+                by = {}
+                for r, v in enumerate(every):
+                    by.setdefault(v[key], []).append(str(ranks[r]))
+                vals = "; ".join(f"{'unset' if v is None else repr(v)} on rank{'s' if len(rs) > 1 else ''} "
+                                 f"{','.join(rs)}" for v, rs in by.items())
+                fix = ("pass the same node_sizes on every rank" if key == 0 else
+                       f"set it to the same value on every rank or on none (mpirun -x "
+                       f"{hier.ENV_RANKS_PER_NODE}: Open MPI does not pass the launching shell's "
+                       f"variables to ranks on other hosts)")
+                raise ValueError(f"hierarchy='node': {what} differs between the ranks of the process "
+                                 f"set ({vals}): {fix}")
+        return self.node_sizes if self.node_sizes is not None else env
 
     def costs(self, shapes: Sequence[Sequence[int]]) -> dict:
         """This rank's closed-form cost of one sparse exchange of float32 ``shapes``
