@@ -414,6 +414,30 @@ def _eval_time(summary: dict, cfg: dict, epochs: List[dict]) -> Optional[float]:
     return (rest - (_final_only_eval_s(cfg, epochs) or 0.0)) / len(epochs)
 
 
+def auto_probe_columns(summary: dict, tx_bytes: List[float], steps: int) -> dict:
+    """``layout: auto``'s start-up probes (link + boundary message) cross the same interfaces as
+    training, so a cell's interface bytes per step include them: their bytes apart, and the
+    interface figure without them beside the raw one (session 12).
+
+    Args:
+        summary: the run's ``summary.json``; ``layout_choice.startup.probe_bytes``
+            (:func:`hgsgc.hourglass.auto.probe_bytes`, MPI payload bytes per rank) is used when
+            present. tx_bytes: bytes each host's interface sent during the launch; steps: >= 1.
+
+    Returns:
+        ``{}`` without probe bytes (not an auto run, or before session 12); else
+        ``{"auto_probe_bytes_per_rank": [...], "iface_tx_bytes_per_step_per_rank_without_probes":
+        (sum(tx) - sum(probe bytes)) / hosts / steps}`` (the probes' TCP/IP headers, about 4.6 %
+        of their bytes, stay in).
+    """
+    pb = ((summary.get("layout_choice") or {}).get("startup") or {}).get("probe_bytes")
+    if not pb or not tx_bytes:
+        return {}
+    return {"auto_probe_bytes_per_rank": list(pb["total_per_rank"]),
+            "iface_tx_bytes_per_step_per_rank_without_probes":
+                (sum(tx_bytes) - sum(pb["total_per_rank"])) / len(tx_bytes) / max(1, int(steps))}
+
+
 def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
     """The per-cell figures from a run directory's files."""
     s, cfg, epochs = run["summary"], run["config"], run["epochs"]
@@ -628,6 +652,7 @@ def run_cell(method: dict, hosts: int, bandwidth: str, spec: dict, python: Optio
         cell["iface_tx_bytes_per_step_max_rank"] = max(tx) / steps
         hg = cell.get("bytes_sent_per_step_per_rank") or 0.0
         cell["iface_over_hgsgc"] = (cell["iface_tx_bytes_per_step_per_rank"] / hg) if hg else None
+        cell.update(auto_probe_columns(run["summary"], tx, steps))
         if dilation is not None and cell.get("mean_step_time_s") is not None:
             cell["step_time_dilated_s"] = cell["mean_step_time_s"] * dilation
             if cell.get("eval_time_s") is not None:  # the evaluation runs on the same dilated machine

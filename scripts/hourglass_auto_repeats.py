@@ -12,7 +12,9 @@ the explicit job of the layout it ran in that repeat. Medians: ``median_K auto /
 sgc_dp, median_K hourglass)``. The identical-job spread: ``max / min`` over the repeats of each
 job. With ``--runs``, each auto cell's ``layout_choice`` is read from its run folder's
 ``summary.json`` (the bench keeps the choice out of its JSON): the choice, the predictions and the
-start-up's own seconds (``startup``). Prints a Markdown table; ``--out`` writes the figures as JSON.
+start-up's own seconds (``startup``). Prints a Markdown table, then (session 12) the auto cells'
+interface bytes per step with and without the start-up probes' bytes; ``--out`` writes the
+figures as JSON.
 """
 import argparse
 import json
@@ -53,6 +55,10 @@ def compare(results: dict, choices: dict = None) -> dict:
                "auto_ran": r["auto"]["layout"], "better": better,
                "auto_vs_better": e["auto"] / e[better], "auto_vs_same_layout": e["auto"] / e[same],
                "launch_minus_wall_s": {j: r[j]["launch_time_s"] - r[j]["wall_time_s"] for j in r}}
+        row["iface_tx_kB_per_step"] = {j: (r[j].get("iface_tx_bytes_per_step_per_rank") or 0.0) / 1e3 for j in r}
+        wp = r["auto"].get("iface_tx_bytes_per_step_per_rank_without_probes")
+        row["auto_iface_tx_kB_per_step_without_probes"] = None if wp is None else wp / 1e3
+        row["auto_probe_bytes_per_rank"] = r["auto"].get("auto_probe_bytes_per_rank")
         if choices and r["auto"]["run_id"] in choices:
             ch = choices[r["auto"]["run_id"]]
             row["choice"] = {"layout": ch["layout"], "fc_workers": ch.get("fc_workers"),
@@ -102,6 +108,27 @@ def table(fig: dict) -> str:
     return "\n".join(lines)
 
 
+def probe_table(fig: dict) -> str:
+    """Markdown: the auto cells' interface bytes per step per rank, as measured and without the
+    start-up probes' bytes (``layout_choice.startup.probe_bytes``, session 12), beside the explicit
+    job of the layout auto ran; and the start-up's phases (s)."""
+    lines = ["| repeat | auto iface kB/step/rank | without the probes | explicit same layout | probes MB per rank "
+             "| start-up s: total; alone; together; wait CPU; link; boundary |",
+             "|---|---|---|---|---|---|"]
+    for r in fig["repeats"]:
+        same = "hourglass" if r["auto_ran"] == "hourglass" else "sgc_dp"
+        wp, pb = r.get("auto_iface_tx_kB_per_step_without_probes"), r.get("auto_probe_bytes_per_rank")
+        st = (r.get("choice") or {}).get("startup") or {}
+        ph = st.get("phases_s") or {}
+        phases = "; ".join(f"{ph[k]:.2f}" if k in ph else "-" for k in
+                           ("alone_in_turns", "together", "wait_cpu", "link", "boundary"))
+        lines.append(f"| {r['repeat']} | {r['iface_tx_kB_per_step']['auto']:.1f} | "
+                     f"{'-' if wp is None else f'{wp:.1f}'} | {r['iface_tx_kB_per_step'][same]:.1f} | "
+                     f"{'-' if not pb else ' / '.join(f'{b / 1e6:.2f}' for b in pb)} | "
+                     f"{st.get('total_s') or float('nan'):.1f}; {phases} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="a bench results JSON (docs/benchmarks/NAME.json)")
@@ -112,6 +139,8 @@ def main(argv=None):
         results = json.load(f)
     fig = compare(results, read_choices(results, a.runs) if a.runs else None)
     print(table(fig))
+    print()
+    print(probe_table(fig))
     print(f"auto within 5 % of the better layout in {fig['within_5pct_per_repeat']} of {len(fig['repeats'])} "
           f"repeats; medians: auto / better ({fig['better_by_median']}) = {fig['auto_vs_better_median']:.3f}; "
           f"load {fig['load_range']}")

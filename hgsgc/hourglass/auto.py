@@ -13,11 +13,13 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   ``codec_s``: encode + decode seconds per example for both directions together (one warm-up
   round, then the median of 3);
 * ``alpha`` (seconds per message) and ``beta`` (bytes per second) of the link:
-  :func:`hgsgc.hourglass.costmodel.link_inputs`, the same probe as ``fc_workers: auto``: a
-  short point-to-point ping-pong between rank 0 and every other rank
-  (:func:`~hgsgc.hourglass.costmodel.probe_link`: 8 B x 20 for ``alpha``, 1 MiB x 3 for
-  ``beta``; medians; the slowest pair counts, as the slowest link bounds a step), unless
-  ``hourglass.link_bandwidth_mbps`` overrides it (no probe, ``alpha = 0``);
+  :func:`hgsgc.hourglass.costmodel.link_inputs`: a short point-to-point ping-pong, since
+  session 12 on disjoint pairs of ranks at once (:func:`~hgsgc.hourglass.costmodel.probe_link_pairs`:
+  ``(0, 1), (2, 3), ...``, one round, two for an odd ``n``; before, rank 0 with every other
+  rank in turn, :func:`~hgsgc.hourglass.costmodel.probe_link`; 8 B x 20 for ``alpha``, 1 MiB
+  x 3 for ``beta``; medians; the slowest pair counts, as the slowest link bounds a step), unless
+  ``hourglass.link_bandwidth_mbps`` overrides it (no probe, ``alpha = 0``); the bytes the
+  probes send are in ``startup["probe_bytes"]`` (:func:`probe_bytes`);
 * the gradient payloads of one exchange (data parallel: the whole model with the configured
   compression; Hourglass: the trunk with it, the head with ``hourglass.fc_method``) from
   :func:`hgsgc.compression.codec.exchange_payload_bytes`.
@@ -50,10 +52,12 @@ Every rank measures (:func:`measure`), the per-field medians are the model's inp
   jobs on the machine and the ranks' own background threads count (they are not in the
   affinity masks).
 
-Every per-rank measurement above runs ALONE on its machine: the ranks of one machine take turns
-(:func:`hgsgc.hourglass.costmodel.take_turns`; ranks of different machines measure at once), so
-on a cluster with one rank per host nothing waits, and on one machine with ``n`` ranks the
-start-up measurement takes ``n`` times one rank's.
+Every per-rank measurement above runs ALONE on its machine (:func:`hgsgc.hourglass.costmodel.take_turns`;
+ranks of different machines measure at once). Since session 12 only the first rank of each
+machine measures them (:data:`ONE_PER_MACHINE`, :func:`measuring_ranks`; 5 timed calls per
+figure instead of 3) and the machine's other ranks take its figures: the same model, batch and
+cores. Up to session 11 every rank measured, in turns, so on one machine with ``n`` ranks that
+part took ``n`` times one rank's.
 
 The predictions are :func:`hgsgc.perfmodel.predict_data_parallel` and
 :func:`hgsgc.perfmodel.predict_hourglass` (the one performance model of the project, also used
@@ -368,7 +372,59 @@ def _median_measurements(items) -> dict:
     return out
 
 
-def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: bool = False) -> dict:
+#: Since session 12 one rank per machine measures the per-rank figures (compute, codec, pipeline
+#: stages, compression, updates) and the machine's other ranks take them: they run the same model
+#: on the same batch on the same cores, so their turns repeated one measurement ``k`` times in
+#: series (session 11: 4 turns, 13.4 s of AlexNet's 24 s start-up, 28 s of VGG-16's 41 s, on the
+#: emulator whose 4 hosts are one machine). With one rank per host nothing changes.
+ONE_PER_MACHINE = True
+#: Timed calls per figure when one rank measures for its machine (5 instead of 3: the median of
+#: one rank's 5 calls in place of the median over ``k`` ranks of medians of 3).
+MEASURE_REPEATS_ONE_PER_MACHINE = 5
+#: The parts of one rank's own turn (``startup["own_turn_parts_s"]``), in order.
+OWN_TURN_PARTS = ("compute_and_codec", "pipeline_stages", "compression_and_update")
+
+
+def measuring_ranks(machine_of, one_per_machine: bool = True) -> list:
+    """Which rank measures for each rank: the first rank (lowest) of its machine with
+    ``one_per_machine``, else the rank itself. Returns a list of ranks, one per rank."""
+    first = {}
+    for r, m in enumerate(machine_of):
+        first.setdefault(m, r)
+    return [first[m] if one_per_machine else r for r, m in enumerate(machine_of)]
+
+
+def probe_bytes(link: dict, boundary: dict, n: int) -> dict:
+    """``startup["probe_bytes"]``: the payload bytes the start-up's probes sent, per rank (MPI
+    message bytes; the interfaces add TCP/IP headers, about 4.6 % on a 1500-byte MTU, and the
+    collectives of the measurement, a few kB, are not counted):
+
+    * ``link``: the link probe's messages (``link["bytes_sent_per_rank"]``, or by formula
+      :func:`hgsgc.hourglass.costmodel.probe_link_bytes_per_rank` for the hub probe; 0 with the
+      ``hourglass.link_bandwidth_mbps`` override);
+    * ``boundary``: the boundary message probe's payloads (``boundary["bytes_sent_per_rank"]``).
+
+    Returns:
+        ``{"link_per_rank": [...], "boundary_per_rank": [...], "total_per_rank": [...], "total":
+        sum}`` (ints, bytes).
+    """
+    from hgsgc.hourglass.costmodel import probe_link_bytes_per_rank
+
+    if link.get("source") == "config":
+        lk = [0] * n
+    elif link.get("bytes_sent_per_rank") is not None:
+        lk = [int(b) for b in link["bytes_sent_per_rank"]]
+    else:
+        lk = probe_link_bytes_per_rank(n)
+    bd = [int(b) for b in ((boundary or {}).get("bytes_sent_per_rank") or [0] * n)]
+    if len(bd) != n:
+        bd = [0] * n
+    tot = [a + b for a, b in zip(lk, bd)]
+    return {"link_per_rank": lk, "boundary_per_rank": bd, "total_per_rank": tot, "total": int(sum(tot))}
+
+
+def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: bool = False,
+           one_per_machine: Optional[bool] = None, link_probe: Optional[Callable] = None) -> dict:
     """Measure on every rank, predict, decide on rank 0, broadcast; collective over ``comm``.
 
     A Horovod left initialised by an earlier run in this process is shut down first (on every
@@ -385,8 +441,16 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     ranks); the data-parallel prediction stays in ``predictions`` for reference, ``"setting":
     "fc_workers=auto"``.
 
+    ``one_per_machine`` (default :data:`ONE_PER_MACHINE`): only the first rank of each machine
+    measures alone (5 timed calls per figure), the others take its figures; False: every rank
+    measures, in turns (3 calls), as up to session 11. ``link_probe`` (default
+    :func:`hgsgc.hourglass.costmodel.probe_link_pairs`, disjoint pairs at once; with
+    ``hourglass_only`` :func:`~hgsgc.hourglass.costmodel.probe_link`, rank 0 with every rank in
+    turn, as before session 12): the link probe.
+
     Returns (every rank): ``{"layout": "data_parallel" | "hourglass", "fc_workers": F or None,
-    "inputs": {...}, "predictions": [...], "choice": {...}, "measured": {...}, "link": {...}}``.
+    "inputs": {...}, "predictions": [...], "choice": {...}, "measured": {...}, "link": {...},
+    "startup": {... "probe_bytes": :func:`probe_bytes`}}``.
 
     Raises:
         RuntimeError: a rank's measurement failed (every rank raises, naming the ranks).
@@ -403,6 +467,9 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
 
     h = cfg.hourglass
     clock = StartupClock()
+    one_per_machine = ONE_PER_MACHINE if one_per_machine is None else bool(one_per_machine)
+    # fc_workers: auto (hourglass_only) keeps rank 0's probe with every rank in turn, as before
+    link_probe = link_probe or (costmodel.probe_link if hourglass_only else costmodel.probe_link_pairs)
     cc = as_compression(compression_from_config(cfg.compression))
     fcc = as_compression(fc_compression_from_config(cfg))
     conv_shapes = [tuple(int(d) for d in v.shape) for v in split.trunk_variables]
@@ -418,24 +485,33 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
 
     clock.lap("machines")
     own = StartupClock(clock.now)  # this rank's own turn, by part
+    machine_of = list(machines["machine_of"])
+    measured_by = measuring_ranks(machine_of, one_per_machine)
+    reps = MEASURE_REPEATS_ONE_PER_MACHINE if one_per_machine else 3
 
     def measure_me():
         own.lap("waiting_for_turn")
+        if measured_by[comm.Get_rank()] != comm.Get_rank():  # the machine's first rank measures for it
+            for part in OWN_TURN_PARTS:
+                own.phases[part] = 0.0
+            return None
         act_codec, grad_codec = configured_codecs(h)
-        m = measure(split, x, act_codec, grad_codec, micro_batches=int(h.micro_batches))
+        m = measure(split, x, act_codec, grad_codec, repeats=reps, micro_batches=int(h.micro_batches))
         own.lap("compute_and_codec")
-        m.update(measure_pipeline_stages(split, x, int(h.micro_batches), comm.Get_size() - 1))
+        m.update(measure_pipeline_stages(split, x, int(h.micro_batches), comm.Get_size() - 1, repeats=reps))
         own.lap("pipeline_stages")
         m.update(measure_compression_and_update(conv_shapes, fc_shapes, cc, fcc, float(cfg.train.momentum)))
         own.lap("compression_and_update")
         return m
 
     stall = float(getattr(cfg.faults, "stall_timeout_s", 0.0) or 0.0)
-    mine, err = take_turns(comm, machines["machine_of"], measure_me, stall if stall > 0 else 3600.0)
+    mine, err = take_turns(comm, machine_of, measure_me, stall if stall > 0 else 3600.0)
     gathered = comm.allgather((mine, err))
     errors = [e for _, e in gathered if e]
     if errors:
         raise RuntimeError("layout=auto: measurement failed on " + "; ".join(errors))
+    # a rank that did not measure takes its machine's measuring rank's figures
+    gathered = [(gathered[measured_by[r]][0] if m is None else m, e) for r, (m, e) in enumerate(gathered)]
     clock.lap("alone_in_turns")
     # every rank at once: the contention the alone measurements do not see (collective)
     together_all = _on_every_rank(comm, "measurement of all ranks at once",
@@ -444,7 +520,8 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     # what a waiting rank burns (Horovod's background thread + hgsgc's poll loop), collective
     wait_all = _on_every_rank(comm, "measurement of the waiting ranks' CPU", lambda: measure_wait_cpu(comm))
     clock.lap("wait_cpu")
-    link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None))  # collective (probe) unless overridden
+    # collective (probe) unless overridden; disjoint pairs at once since session 12
+    link = link_inputs(comm, getattr(h, "link_bandwidth_mbps", None), probe=link_probe)
     clock.lap("link")
     # the boundary message on the trainer's path, rank 0 <-> every other rank (collective)
     act_codec, grad_codec = configured_codecs(h)
@@ -502,7 +579,10 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
                                            "slowdown_per_machine": slowdown, "effective_cores": cores},
                               "per_rank": [{k: v for k, v in m.items()} for m, _ in gathered],
                               "wait_cpu_cores_per_rank": list(wait_all),
-                              "measured_alone": "ranks of one machine in turns (costmodel.take_turns)"}
+                              "measured_alone": ("the first rank of each machine, machines at once; a "
+                                                 "machine's other ranks take its figures" if one_per_machine
+                                                 else "ranks of one machine in turns (costmodel.take_turns)"),
+                              "measured_by": list(measured_by), "repeats": reps}
         report["link"] = link
     report = comm.bcast(report, root=0)
     clock.lap("model")
@@ -510,6 +590,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
     own_parts = {k: v for k, v in own.phases.items() if k != "waiting_for_turn"}
     report["startup"] = startup_record(comm.allgather({"phases_s": clock.phases, "own_turn_s": sum(own_parts.values()),
                                                        "own_turn_parts_s": own_parts}))
+    report["startup"]["probe_bytes"] = probe_bytes(link, probe, comm.Get_size())
     if log is not None and comm.Get_rank() == 0:
         from hgsgc.hourglass.costmodel import describe_link
 
@@ -603,7 +684,11 @@ def describe_startup(startup: dict) -> str:
     if startup.get("before_choose_s"):
         parts.insert(0, f"data, model and batch {max(startup['before_choose_s']):.2f}")
     turn = f" (own turn {float(np.median(own)):.2f} s per rank, median)" if own else ""
-    return head + ", ".join(parts) + " s" + turn
+    pb = startup.get("probe_bytes")
+    probes = (f"; the probes sent {pb['total'] / 1e6:.2f} MB (link {sum(pb['link_per_rank']) / 1e6:.2f}, "
+              f"boundary {sum(pb['boundary_per_rank']) / 1e6:.2f}; per rank "
+              f"{[round(b / 1e6, 2) for b in pb['total_per_rank']]} MB)") if pb else ""
+    return head + ", ".join(parts) + " s" + turn + probes
 
 
 def _on_every_rank(comm, what: str, measure):

@@ -233,6 +233,104 @@ def probe_link(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES, big
             "pairs": pairs}
 
 
+def pair_rounds(n: int) -> list:
+    """The rounds of :func:`probe_link_pairs` for ``n`` ranks: round 1 pairs ``(0, 1), (2, 3),
+    ...`` (every rank in exactly one pair, so every rank's link is measured once and no two pairs
+    share a rank); with ``n`` odd, round 2 is ``[(0, n - 1)]`` for the rank left over.
+
+    Returns:
+        ``[[(a, b), ...], ...]`` (a list of rounds; ``[]`` for ``n < 2``).
+    """
+    n = int(n)
+    if n < 2:
+        return []
+    rounds = [[(a, a + 1) for a in range(0, n - 1, 2)]]
+    if n % 2:
+        rounds.append([(0, n - 1)])
+    return rounds
+
+
+def probe_link_pairs(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES, big_reps: int = 3) -> dict:
+    """:func:`probe_link`'s ping-pong (the same messages, repetitions, medians and alpha-beta
+    fit per pair), but on DISJOINT pairs at once (:func:`pair_rounds`: ``(0, 1), (2, 3), ...``
+    in one round, plus ``(0, n - 1)`` when ``n`` is odd) instead of rank 0 with every other rank
+    in turn; collective over ``comm``. ``layout: auto`` uses it since session 12: with one rank
+    per host every host's link is still measured (each pair's round trip crosses both its
+    hosts' links), in 1 or 2 rounds instead of ``n - 1``. The pairs of a round share no rank, so
+    on a switched network (and on the emulator of ``scripts/cluster/``, which shapes each host's
+    own link) they do not share a link; they do share a machine's CPU where ranks share one (the
+    emulator), as all ranks do in training. The slowest pair counts: the largest ``alpha``, the
+    smallest ``beta``.
+
+    Each pair: one untimed round trip per size, then ``small_reps`` round trips of 8 bytes
+    (``t_s``, median one-way) and ``big_reps`` of ``big_bytes`` (``t_b``); ``alpha = t_s``,
+    ``beta = big_bytes / (t_b - t_s)``. Precision: the 1 MiB message takes 84 ms one way at
+    100 Mbit/s, so the emulator's 25 kB token bucket (``hgsgc.perfmodel.tbf_burst_bytes``) biases
+    ``beta`` up by at most 2.4 %; the median of 3 ignores one disturbed round trip.
+
+    Args:
+        comm: an mpi4py communicator with at least 2 ranks.
+        small_reps, big_reps: timed round trips per message size (>= 1); big_bytes: bytes.
+
+    Returns:
+        On every rank: ``{"alpha_s", "beta_Bps", "pairs": [[rank a, rank b, alpha_s, beta_Bps],
+        ...], "scheme": "disjoint pairs at once", "rounds": number of rounds, "bytes_sent_per_rank":
+        [bytes of probe messages each rank sent, by formula: (small_reps + 1) x 8 + (big_reps + 1)
+        x big_bytes per pair it is in]}``.
+
+    Raises:
+        ValueError: fewer than 2 ranks (identically on every rank, before any message).
+    """
+    import numpy as np
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    if n < 2:
+        raise ValueError(f"probe_link_pairs needs at least 2 ranks, got {n}: there is no link to measure")
+    small = np.zeros(PROBE_SMALL_BYTES // 8, np.float64)
+    big = np.zeros(int(big_bytes), np.uint8)
+    per_pair = (max(1, int(small_reps)) + 1) * PROBE_SMALL_BYTES + (max(1, int(big_reps)) + 1) * int(big_bytes)
+    rounds = pair_rounds(n)
+    mine = []
+    sent = [0] * n
+    for pairs in rounds:
+        comm.Barrier()
+        for a, b in pairs:
+            sent[a] += per_pair
+            sent[b] += per_pair
+        pair = next(((a, b) for a, b in pairs if rank in (a, b)), None)
+        if pair is None:
+            continue
+        first = rank == pair[0]
+        other = pair[1] if first else pair[0]
+        res = []
+        for buf, reps in ((small, small_reps), (big, big_reps)):
+            ts = []
+            for _ in range(max(1, int(reps)) + 1):  # the first round trip warms the connection up
+                t0 = time.perf_counter()
+                if first:
+                    comm.Send(buf, dest=other, tag=78)
+                    comm.Recv(buf, source=other, tag=78)
+                else:
+                    comm.Recv(buf, source=other, tag=78)
+                    comm.Send(buf, dest=other, tag=78)
+                ts.append((time.perf_counter() - t0) / 2)
+            res.append(float(np.median(ts[1:])))
+        if first:
+            mine.append([pair[0], pair[1], res[0], int(big_bytes) / max(res[1] - res[0], 1e-9)])
+    found = sorted((p for ps in comm.allgather(mine) for p in ps), key=lambda p: (p[0], p[1]))
+    return {"alpha_s": max(p[2] for p in found), "beta_Bps": min(p[3] for p in found), "pairs": found,
+            "scheme": "disjoint pairs at once", "rounds": len(rounds), "bytes_sent_per_rank": sent}
+
+
+def probe_link_bytes_per_rank(n: int, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES,
+                              big_reps: int = 3) -> list:
+    """Bytes each rank sends in :func:`probe_link` (rank 0 with every other rank, each side
+    ``(small_reps + 1) x 8 + (big_reps + 1) x big_bytes`` per pair): rank 0 ``n - 1`` pairs, the
+    others 1. A list of ``n`` ints."""
+    per_pair = (max(1, int(small_reps)) + 1) * PROBE_SMALL_BYTES + (max(1, int(big_reps)) + 1) * int(big_bytes)
+    return [per_pair * (int(n) - 1)] + [per_pair] * (int(n) - 1) if int(n) >= 2 else [0] * max(0, int(n))
+
+
 def link_inputs(comm, link_bandwidth_mbps: Optional[float] = None,
                 probe: Optional[Callable] = None) -> dict:
     """The link of the cost model: the probe, or the config's explicit override.
@@ -272,6 +370,9 @@ def describe_link(link: dict) -> str:
     """One phrase saying where the link figures came from (for the log lines)."""
     if link.get("source") == "config":
         return "hourglass.link_bandwidth_mbps override, no probe"
+    if link.get("scheme") == "disjoint pairs at once":
+        return (f"ping-pong probe on {len(link.get('pairs') or [])} disjoint pairs at once "
+                f"({link.get('rounds')} round{'s' if link.get('rounds') != 1 else ''}), slowest pair")
     return f"ping-pong probe rank 0 <-> {len(link.get('pairs') or [])} ranks, slowest pair"
 
 
@@ -342,7 +443,8 @@ def probe_boundary(comm, act_codec, grad_codec, a, g, y, reps: int = BOUNDARY_PR
 
     Returns:
         On every rank: ``{"rows": r, "pairs": [[peer, median round trip seconds], ...]
-        ([[0, s]] for the loopback), "loopback": bool, "reps": reps}``.
+        ([[0, s]] for the loopback), "loopback": bool, "reps": reps, "bytes_sent_per_rank":
+        [payload bytes each rank sent, warm-up round trips included; [0] for the loopback]}``.
 
     Raises:
         ValueError: ``a``, ``g`` not the same 2-D shape with >= 1 row, ``y`` not ``[r]``, or
@@ -390,6 +492,7 @@ def probe_boundary(comm, act_codec, grad_codec, a, g, y, reps: int = BOUNDARY_PR
         _, mask = ac.decode(p[:st[0].Get_count(MPI.BYTE)], r, f)
         out = gc.encode(g, rng, mask=mask if gc.sparse else None)
         wait_for_peers([comm.Isend(out, dest=conv, tag=_TAG_PROBE_GRAD)], [conv], "boundary probe: send", timeout_s)
+        return int(out.nbytes)
 
     pairs = []
     if n == 1:
@@ -401,21 +504,26 @@ def probe_boundary(comm, act_codec, grad_codec, a, g, y, reps: int = BOUNDARY_PR
             conv_recv(0, state)
             ts.append(time.perf_counter() - t0)
         pairs.append([0, float(np.median(ts[1:]))])
+        sent = [0]  # loopback: nothing crosses a link
     else:
+        mine = 0  # payload bytes this rank sent (activations + labels, or gradients)
         for peer in range(1, n):
             comm.Barrier()
             if rank == 0:
                 ts = []
                 for _ in range(int(reps) + 1):  # the first round trip warms the path up
                     t0 = time.perf_counter()
-                    conv_recv(peer, conv_send(peer))
+                    state = conv_send(peer)
+                    mine += int(state[1].nbytes) + int(y.nbytes)
+                    conv_recv(peer, state)
                     ts.append(time.perf_counter() - t0)
                 pairs.append([peer, float(np.median(ts[1:]))])
             elif rank == peer:
                 for _ in range(int(reps) + 1):
-                    fc_side(0)
-        pairs = comm.bcast(pairs, root=0)
-    return {"rows": int(r), "pairs": pairs, "loopback": n == 1, "reps": int(reps)}
+                    mine += fc_side(0)
+        gathered = comm.allgather((pairs, mine))
+        pairs, sent = gathered[0][0], [int(m) for _, m in gathered]
+    return {"rows": int(r), "pairs": pairs, "loopback": n == 1, "reps": int(reps), "bytes_sent_per_rank": sent}
 
 
 def message_cost_s(round_trip_s: float, rows: int, act_bytes: float, grad_bytes: float, codec_s: float,
