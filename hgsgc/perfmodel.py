@@ -605,7 +605,7 @@ def parse_rate(text) -> float:
     suffixes are bytes per second, as in tc) or a number of bit/s.
 
     Raises:
-        ValueError: not a positive rate (the message shows the accepted forms).
+        ValueError: not a positive finite rate (the message shows the accepted forms).
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         v = float(text)
@@ -617,6 +617,8 @@ def parse_rate(text) -> float:
         v = float(m.group(1)) * _RATE_UNITS[unit]
     if not v > 0:
         raise ValueError(f"bandwidth {text!r} must be > 0")
+    if not math.isfinite(v):  # '1' and 400 zeros: float() overflows (plan ranked on 'link inf Mbit/s')
+        raise ValueError(f"bandwidth {text!r} is not a finite rate: write e.g. 10gbit, 100mbit, 1.5gbit")
     return v
 
 

@@ -698,7 +698,8 @@ def _clamped(info: dict) -> str:
 
 def plan_main(args) -> int:
     """``hgsgc plan CONFIG [overrides] --nodes N --bandwidth B``: print :func:`format_plan`
-    (exit 0), or one line naming the bad input (exit 2)."""
+    (exit 0), or one line naming the bad input (exit 2). ``--steps-to-target`` keys that name
+    no row (the method column) are listed in a warning on stderr after the plan (exit 0)."""
     import json
     import os
     import sys
@@ -717,7 +718,12 @@ def plan_main(args) -> int:
                              f"leave it out to measure the step here")
         steps = None
         if args.steps_to_target:
-            with open(args.steps_to_target) as f:
+            try:
+                f = open(args.steps_to_target)
+            except OSError as exc:  # named the file only ('[Errno 2] No such file or directory: ...')
+                raise ValueError(f"--steps-to-target {args.steps_to_target}: cannot read it "
+                                 f"({exc.strerror or exc}): give a JSON file {{method: steps or null}}") from None
+            with f:
                 try:
                     steps = json.load(f)
                 except ValueError as exc:
@@ -745,6 +751,13 @@ def plan_main(args) -> int:
         print(f"hgsgc plan: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(format_plan(res))
+    if steps:  # a misspelt method (sgc-d4 for sgc_d4) silently gave 'n/a' in every row (brk12)
+        names = [r["method"] for r in res["rows"]]
+        unknown = [k for k in steps if k not in names]
+        if unknown:
+            print(f"hgsgc plan: warning: --steps-to-target {args.steps_to_target}: no row is named "
+                  f"{', '.join(map(repr, unknown))}, so those steps were not used: the keys are the "
+                  f"method column's names ({', '.join(names)})", file=sys.stderr)
     if args.json:
         try:
             with open(args.json, "w") as f:
