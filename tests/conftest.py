@@ -63,3 +63,111 @@ def mpi_result(np_, args, timeout=400):
 @pytest.fixture
 def run_mpi():
     return mpirun
+
+
+# ------------------------------------------------------------------ several checks, one launch
+# A launch costs every rank a TensorFlow + Horovod import (~6-7 s of CPU per rank, 13-27 s of wall
+# time for 2-4 ranks on the CI's 2 cores), more than many checks take. So the RESULT-line checks
+# of tests/mpi run batched: a test module lists its cases in ``MPI_CASES`` (``mpi_cases(...)``);
+# the first test that needs a result for ``np_`` ranks starts ONE mpirun launch of
+# tests/mpi/run_many.py with every collected module's cases for ``np_`` ranks, each case run as
+# ``__main__`` with its own arguments and its own timeout, and its RESULT asserted by the tests of
+# its module exactly as with its own launch. A case that fails ends the launch (no hangs): it and
+# the cases after it fail their tests, naming the case and showing the output.
+
+
+def mpi_cases(script, *args, ranks, timeout=300, tmp=None, dynamic=False):
+    """Cases for ``MPI_CASES``: ``script`` (path from the repository root) with ``args`` under
+    mpirun with each rank count in ``ranks``. ``timeout``: seconds for this case alone. ``tmp``:
+    the case gets a fresh directory in place of ``"{tmp}"`` in ``args``; a callable is called with
+    that directory (a ``pathlib.Path``) before the launch. ``dynamic``: the script calls
+    ``hvd.init(process_sets="dynamic")``; such cases run in their own launch, which starts Horovod
+    that way."""
+    return [dict(np=np_, script=script, args=tuple(args), timeout=timeout, tmp=tmp, dynamic=dynamic)
+            for np_ in ranks]
+
+
+def _case_key(script, args):
+    return " ".join((os.path.basename(script),) + tuple(args))
+
+
+class MpiBatch:
+    """Runs the collected modules' ``MPI_CASES`` per (rank count, dynamic) in one launch each."""
+
+    def __init__(self, session, tmp_path_factory):
+        self.session, self.tmp = session, tmp_path_factory
+        self.runs = {}  # (np, dynamic) -> (results by key, tmp dirs by key, output, returncode)
+
+    def _cases(self, np_, dynamic):
+        seen, cases = set(), []
+        for item in self.session.items:
+            mod = getattr(item, "module", None)
+            for c in getattr(mod, "MPI_CASES", ()):
+                key = _case_key(c["script"], c["args"])
+                if c["np"] == np_ and c["dynamic"] == dynamic and key not in seen:
+                    seen.add(key)
+                    cases.append(c)
+        return cases
+
+    def _run(self, np_, dynamic):
+        import json
+
+        cases, specs, dirs = self._cases(np_, dynamic), [], {}
+        for c in cases:
+            key = _case_key(c["script"], c["args"])
+            args = list(c["args"])
+            if c["tmp"] is not None:
+                d = self.tmp.mktemp(f"np{np_}_" + os.path.basename(c["script"])[:-3])
+                if callable(c["tmp"]):
+                    c["tmp"](d)
+                dirs[key] = str(d)
+                args = [a.replace("{tmp}", str(d)) for a in args]
+            specs.append({"key": key, "argv": [c["script"]] + args, "timeout": c["timeout"]})
+        argv = ["tests/mpi/run_many.py"] + (["--dynamic"] if dynamic else []) + [json.dumps(specs)]
+        try:
+            p = mpirun(np_, argv, timeout=sum(s["timeout"] for s in specs) + 60)
+            out, rc = p.stdout + "\n--- stderr ---\n" + p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = f"{e.stdout}\n--- stderr ---\n{e.stderr}\nthe launch timed out", None
+        log = self.tmp.getbasetemp() / f"mpi_batch_np{np_}{'_dynamic' if dynamic else ''}.log"
+        log.write_text(out)  # the whole launch's output, for a look after the run
+        results = {}
+        lines = p.stdout.splitlines() if rc is not None else []
+        # a non-zero exit that no case owns (no ``CASE ... ERROR|TIMEOUT`` line: e.g. a crash at
+        # the end of the process) fails every case, as it failed each launch before
+        owned = rc == 0 or any(ln.startswith("CASE ") and (" ERROR " in ln or " TIMEOUT " in ln)
+                               for ln in lines)
+        for line in lines if owned else ():
+            for s in specs:
+                head = f"CASE {s['key']} RESULT "
+                if line.startswith(head):
+                    results[s["key"]] = json.loads(line[len(head):])
+        self.runs[(np_, dynamic)] = (results, dirs, out, rc, [s["key"] for s in specs])
+
+    def result(self, np_, script, *args):
+        """The RESULT JSON of ``script args`` under ``np_`` ranks (failing the test with the
+        launch's output when it has none); checks it reports ``np_`` ranks."""
+        case = [c for item in self.session.items for c in getattr(getattr(item, "module", None), "MPI_CASES", ())
+                if c["np"] == np_ and _case_key(c["script"], c["args"]) == _case_key(script, args)]
+        assert case, f"{_case_key(script, args)} with {np_} ranks is not in the module's MPI_CASES"
+        group = (np_, case[0]["dynamic"])
+        if group not in self.runs:
+            self._run(*group)
+        results, dirs, out, rc, keys = self.runs[group]
+        key = _case_key(script, args)
+        if key not in results:
+            pytest.fail(f"no RESULT for {key!r} on {np_} ranks (launch of {keys}, exit {rc}):\n"
+                        + out[-6000:], pytrace=False)
+        res = results[key]
+        assert res["size"] == np_ and ("ranks" not in res or len(res["ranks"]) == np_)
+        return res
+
+    def tmpdir(self, np_, script, *args):
+        """The directory the case got for ``"{tmp}"`` (after :meth:`result`)."""
+        key = _case_key(script, args)
+        return next(run[1][key] for (n, _), run in self.runs.items() if n == np_ and key in run[1])
+
+
+@pytest.fixture(scope="session")
+def mpi_batch(request, tmp_path_factory):
+    return MpiBatch(request.session, tmp_path_factory)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as ref
+from conftest import mpi_cases
 from hgsgc.compression import Compression, PowerSGDCompression, TernGradCompression, codec
 from hgsgc.compression import powersgd, terngrad
 from hgsgc.config import ConfigError, compression_from_config, load_config
@@ -175,11 +176,12 @@ def test_bad_baseline_config_names_the_key(override, needle):
 
 
 # ----------------------------------------------------------------------------- under mpirun
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def result(request):
-    from conftest import mpi_result
+MPI_CASES = mpi_cases("tests/mpi/check_baselines.py", ranks=[2, 3, 4])
 
-    return mpi_result(request.param, ["tests/mpi/check_baselines.py"])
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_baselines.py")
 
 
 @pytest.mark.mpi

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import reference as ref
+from conftest import mpi_cases
 from hgsgc.compression import Compression, SparseCompression
 from hgsgc.compression.reducers import bucket_indices
 from hgsgc.config import ConfigError, compression_from_config, load_config
@@ -188,11 +189,12 @@ def test_costs_count_one_message_per_group():
 
 
 # ------------------------------------------------------------------ under mpirun: 2, 3, 4 ranks
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def result(request):
-    from conftest import mpi_result
+MPI_CASES = mpi_cases("tests/mpi/check_buckets.py", ranks=[2, 3, 4], timeout=300)
 
-    return mpi_result(request.param, ["tests/mpi/check_buckets.py"], timeout=300)
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_buckets.py")
 
 
 @pytest.mark.mpi

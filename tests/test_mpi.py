@@ -1,14 +1,15 @@
 """Multi-rank behaviour under mpirun with 2, 3 and 4 ranks (odd counts included)."""
 import pytest
 
+from conftest import mpi_cases
+
 pytestmark = pytest.mark.mpi
+MPI_CASES = mpi_cases("tests/mpi/check_exchange.py", ranks=[2, 3, 4])
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
-def result(request):
-    from conftest import mpi_result
-
-    return mpi_result(request.param, ["tests/mpi/check_exchange.py"])
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_exchange.py")
 
 
 def test_sparse_allgather_equals_numpy_average(result):

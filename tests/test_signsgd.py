@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from conftest import mpi_result
+from conftest import mpi_cases
+
+MPI_CASES = mpi_cases("tests/mpi/check_signsgd.py", ranks=[2, 3, 4])
 
 
 def test_efsignsgd_optimizer_matches_numpy_on_one_rank():
@@ -53,8 +55,8 @@ def test_efsignsgd_config_and_errors():
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_efsignsgd_matches_numpy_and_counts_exact_bytes(np_):
-    out = mpi_result(np_, ["tests/mpi/check_signsgd.py"])
+def test_efsignsgd_matches_numpy_and_counts_exact_bytes(np_, mpi_batch):
+    out = mpi_batch.result(np_, "tests/mpi/check_signsgd.py")
     for r in out["ranks"]:
         assert r["max_err"] < 1e-5 and r["max_resid_err"] < 1e-5
         assert r["payload_setting"] == r["payload_formula"]

@@ -4,14 +4,16 @@ residuals untouched (equal to a run that never saw the call) or raises on every 
 default ``"off"`` lets the NaN into SGC's residual (the guard is what prevents it)."""
 import pytest
 
-from conftest import mpi_result
+from conftest import mpi_cases
+
+MPI_CASES = mpi_cases("tests/mpi/check_tape_nonfinite.py", ranks=[2, 3, 4], timeout=400)
 
 CASES = [f"{c}_{m}" for c in ("none", "sgc", "topk") for m in ("eager", "graph")]
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_tape_nonfinite_skip_and_raise_on_every_rank(np_):
-    res = mpi_result(np_, ["tests/mpi/check_tape_nonfinite.py"], timeout=400)
+def test_tape_nonfinite_skip_and_raise_on_every_rank(np_, mpi_batch):
+    res = mpi_batch.result(np_, "tests/mpi/check_tape_nonfinite.py")
     for case in CASES:
         r = res[case]
         assert r["o1"] and r["o3"], (case, r)  # calls around the skipped one: as if it never happened
