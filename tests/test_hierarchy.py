@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import reference_tree as rt
+from conftest import mpi_cases
 from hgsgc import hierarchy as hier
 from hgsgc.compression import HIERARCHIES, Compression
 
@@ -163,11 +164,12 @@ def test_reference_conserves_mass():
 # Under mpirun
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4, 5, 6, 8])
-def result(request):
-    from conftest import mpi_result
+MPI_CASES = mpi_cases("tests/mpi/check_hierarchy.py", ranks=[2, 3, 4, 5, 6, 8], timeout=600)
 
-    return mpi_result(request.param, ["tests/mpi/check_hierarchy.py"], timeout=600)
+
+@pytest.fixture(scope="module", params=[2, 3, 4, 5, 6, 8])
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_hierarchy.py")
 
 
 CHECKED = ("tree_bits2", "tree_bits32", "node_bits2", "node_mpi_split")

@@ -3,14 +3,16 @@ every rank reports the same result, rank 0 pairs with every other rank in turn, 
 model gets follows costmodel.message_cost_s on the reported round trips (no time asserted)."""
 import pytest
 
+from conftest import mpi_cases
 from hgsgc.hourglass import costmodel
+
+# (4 ranks: tests/test_robustness7.py)
+MPI_CASES = mpi_cases("tests/mpi/check_boundary_probe.py", ranks=[2, 3], timeout=300)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def result(request):
-    from conftest import mpi_result
-
-    return mpi_result(request.param, ["tests/mpi/check_boundary_probe.py"], timeout=300)
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_boundary_probe.py")
 
 
 @pytest.mark.mpi

@@ -24,7 +24,7 @@ from hgsgc import ops
 from hgsgc.communicator import Exchanger
 from hgsgc.compression import Compression, kernels, wire, wrappers
 import reference as npref
-from conftest import mpi_result
+from conftest import mpi_cases
 
 HAVE_CUSTOM = ops.available()
 REQUIRE_CUSTOM = os.environ.get("HGSGC_REQUIRE_CUSTOM_OPS", "") not in ("", "0")
@@ -349,13 +349,26 @@ def test_decode_accumulate_divisor_bad():
             kernels.decode_accumulate(g, 10, 1, 2, backend="custom", divisor=d)
 
 
+# Each case of tests/mpi/check_kernels11.py runs on 2 ranks and on one more count (3 or 4): every case
+# on every count cost ~550 s of the suite on a slow day (session 12), the 4-rank launch most
+FOLD_CASES = {2: ("sgc2_dgc_momentum", "sgc2_dgc_momentum_ef_b2", "dgc_fp32_nomask", "topk_div_n"),
+              3: ("sgc2_dgc_momentum", "dgc_fp32_nomask"), 4: ("sgc2_dgc_momentum_ef_b2", "topk_div_n")}
+MPI_CASES = [c for np_, names in FOLD_CASES.items()
+             for c in mpi_cases("tests/mpi/check_kernels11.py", *names, ranks=[np_], timeout=420)]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_training_fold_equals_composed_and_reference_mpi(np_):
+def test_training_fold_equals_composed_and_reference_mpi(np_, mpi_batch):
     """2/3/4 ranks (mpirun, timeout): DistributedOptimizer + model.fit and DistributedGradientTape
     in a tf.function with DGC momentum correction (2-bit SGC, fp32 DGC; allgather, 1 and 2
     buckets) and top-k (the / n fold): final weights and every state leaf equal across the fused
-    kernel, session 10's kernels and the pure-TF path, and the weights equal on every rank."""
-    out = mpi_result(np_, ["tests/mpi/check_kernels11.py"], timeout=420)
+    kernel, session 10's kernels and the pure-TF path, and the weights equal on every rank (each
+    case on 2 ranks and one of 3 / 4, ``FOLD_CASES``)."""
+    out = mpi_batch.result(np_, "tests/mpi/check_kernels11.py", *FOLD_CASES[np_])
+    expect = {"sgc2_dgc_momentum": ("fit", "tape"), "sgc2_dgc_momentum_ef_b2": ("tape",),
+              "dgc_fp32_nomask": ("fit",), "topk_div_n": ("fit",)}
+    assert sorted(k for k in out if k != "size") == sorted(f"{n}_{e}" for n in FOLD_CASES[np_] for e in expect[n])
     for case, r in out.items():
         if case == "size":
             continue

@@ -11,12 +11,15 @@ overflow entered the residual), naming ``"nan"``."""
 import pytest
 import tensorflow as tf
 
-from conftest import mpi_result
+from conftest import mpi_cases
+
+MPI_CASES = (mpi_cases("tests/mpi/check_loss_scale.py", ranks=[2, 3, 4], timeout=400)
+             + mpi_cases("tests/mpi/check_loss_scale.py", "tape", ranks=[2, 3, 4], timeout=500))
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_loss_scale_overflow_on_one_rank_skips_the_step_on_every_rank(np_):
-    res = mpi_result(np_, ["tests/mpi/check_loss_scale.py"], timeout=400)
+def test_loss_scale_overflow_on_one_rank_skips_the_step_on_every_rank(np_, mpi_batch):
+    res = mpi_batch.result(np_, "tests/mpi/check_loss_scale.py")
     for case in [f"{c}_{m}" for c in ("none", "fp16", "sgc", "topk") for m in ("eager", "graph")]:
         r = res[case]
         assert r["weights_equal_ref"] and r["residuals_equal_ref"] and r["finite"], (case, r)
@@ -29,10 +32,10 @@ def test_loss_scale_overflow_on_one_rank_skips_the_step_on_every_rank(np_):
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_tape_nonfinite_nan_lets_a_loss_scaler_halve_and_skip_on_every_rank(np_):
+def test_tape_nonfinite_nan_lets_a_loss_scaler_halve_and_skip_on_every_rank(np_, mpi_batch):
     """Before: ``nonfinite="nan"`` did not exist; ``"skip"`` gave zeros (scale stuck at 2^15,
     every step skipped: brk10 by hand) and ``"off"`` let SGC's residual take the Inf."""
-    res = mpi_result(np_, ["tests/mpi/check_loss_scale.py", "tape"], timeout=500)
+    res = mpi_batch.result(np_, "tests/mpi/check_loss_scale.py", "tape")
     for name in ("none", "fp16", "sgc", "topk", "dgc", "powersgd"):
         for mode in ("eager", "graph"):
             r = res[f"{name}_{mode}"]

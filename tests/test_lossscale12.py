@@ -16,7 +16,7 @@ import warnings
 import pytest
 import tensorflow as tf
 
-from conftest import mpi_result
+from conftest import mpi_cases
 
 COMPRESSED = ("sgc", "topk", "dgc", "powersgd")
 SCALES = [1024.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]  # halved at call 1, doubled after 2 finite
@@ -26,13 +26,15 @@ SCALES = [1024.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]  # halved at call 1, dou
 # one more count; the odd count 3 covers SGC and PowerSGD) to keep the suite time down (about 65 s
 # of CPU per rank per compression)
 PER_NP = {2: COMPRESSED, 3: ("sgc", "powersgd"), 4: ("topk", "dgc")}
+MPI_CASES = [c for np_, names in PER_NP.items()
+             for c in mpi_cases("tests/mpi/check_lossscale12.py", *names, ranks=[np_], timeout=900)]
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_tape_state_stays_unscaled_across_loss_scale_changes(np_):
+def test_tape_state_stays_unscaled_across_loss_scale_changes(np_, mpi_batch):
     names = PER_NP[np_]
-    res = mpi_result(np_, ["tests/mpi/check_lossscale12.py", *names], timeout=900)
+    res = mpi_batch.result(np_, "tests/mpi/check_lossscale12.py", *names)
     assert sorted(k.rsplit("_", 1)[0] for k in res if k != "size") == sorted(n for n in names for _ in (0, 1))
     for name in names:
         for mode in ("eager", "graph"):

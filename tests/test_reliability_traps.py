@@ -2,14 +2,17 @@
 import numpy as np
 import pytest
 
+from conftest import mpi_cases
+
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def result(request):
-    from conftest import mpi_result
+MPI_CASES = mpi_cases("tests/mpi/check_reliability_traps.py", ranks=[2, 3], timeout=900)
 
-    return mpi_result(request.param, ["tests/mpi/check_reliability_traps.py"], timeout=900)
+
+@pytest.fixture(scope="module", params=[2, 3])
+def result(request, mpi_batch):
+    return mpi_batch.result(request.param, "tests/mpi/check_reliability_traps.py")
 
 
 def test_delay_anchors_follow_broadcast_in_model_fit(result):

@@ -15,14 +15,16 @@
 """
 import pytest
 
-from conftest import mpi_result
+from conftest import mpi_cases
 
 TAPE_SETTINGS = ("sgc", "sgc_2bit", "topk", "dgc", "powersgd", "fp16", "none")
+MPI_CASES = (mpi_cases("tests/mpi/brk10_tape.py", ranks=[2, 3], timeout=600)
+             + mpi_cases("tests/mpi/brk10_dgc_backends.py", ranks=[2], timeout=500))
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_tape_nonfinite_skip_with_embeddings_none_gradients_and_every_compressor(np_):
-    res = mpi_result(np_, ["tests/mpi/brk10_tape.py"], timeout=600)
+def test_tape_nonfinite_skip_with_embeddings_none_gradients_and_every_compressor(np_, mpi_batch):
+    res = mpi_batch.result(np_, "tests/mpi/brk10_tape.py")
     for name in TAPE_SETTINGS:
         for mode in ("eager", "graph"):
             r = res[f"{name}_{mode}"]
@@ -66,13 +68,13 @@ def test_a_nonfinite_mode_that_differs_across_ranks_stops_every_rank_naming_it(n
         p.stderr[-3000:]
 
 
-def test_dgc_kernels_equal_the_reference_through_fit_and_tape_on_2_ranks():
+def test_dgc_kernels_equal_the_reference_through_fit_and_tape_on_2_ranks(mpi_batch):
     """kr10's momentum kernels (ops/momentum_mask.cc) with the default Elias-Fano coding, trained
     through DistributedOptimizer + model.fit and DistributedGradientTape in a tf.function (DGC with
     buckets 2 / tree, SGC 2-bit with momentum correction on the node hierarchy, an embedding's
     IndexedSlices gradient): weights and every hgsgc state leaf bit-equal to the pure-TF path,
     every rank the same weights."""
-    res = mpi_result(2, ["tests/mpi/brk10_dgc_backends.py"], timeout=500)
+    res = mpi_batch.result(2, "tests/mpi/brk10_dgc_backends.py")
     cases = [k for k in res if k != "size"]
     assert len(cases) == 5, res
     for k in cases:

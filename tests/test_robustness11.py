@@ -5,7 +5,12 @@ process sets). Each test either pins a fix (it failed before) or pins behaviour 
 attack (said so in its docstring)."""
 import pytest
 
-from conftest import mpi_result
+from conftest import mpi_cases
+
+# the three scripts start Horovod with dynamic process sets: they share one launch per rank count
+MPI_CASES = (mpi_cases("tests/mpi/brk11_loss_scale.py", ranks=[2, 3], timeout=600, dynamic=True)
+             + mpi_cases("tests/mpi/brk11_ef.py", ranks=[3, 5], timeout=900, dynamic=True)
+             + mpi_cases("tests/mpi/brk11_uid.py", ranks=[2, 3, 4], timeout=400, dynamic=True))
 
 LSO_CASES = ["powersgd", "terngrad", "efsignsgd", "dgc", "sgc_tree", "sgc_node", "sgc_buckets2",
              "topk_fixed"]
@@ -14,7 +19,7 @@ LSO_CASES = ["powersgd", "terngrad", "efsignsgd", "dgc", "sgc_tree", "sgc_node",
 # ------------------------------------------------------------------ mixed precision (held)
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3])
-def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_):
+def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_, mpi_batch):
     """Held under attack: LossScaleOptimizer(hgsgc.DistributedOptimizer(...)) with the compressions
     tests/test_loss_scale.py leaves out (PowerSGD, TernGrad, EF-SignSGD, DGC with its velocity,
     SGC tree / node / 2 buckets, top-k with the fixed coding), eager and tf.function, and SGC on a
@@ -22,7 +27,7 @@ def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_):
     (scale 1024 -> 512 everywhere), and the weights and the whole hgsgc state tree (residuals,
     velocity, PowerSGD factors, random-number step, byte counters) equal a run that never had
     call 1, bit for bit, identical on every rank."""
-    out = mpi_result(np_, ["tests/mpi/brk11_loss_scale.py"], timeout=600)
+    out = mpi_batch.result(np_, "tests/mpi/brk11_loss_scale.py")
     recs = out["ranks"]
     for case in [f"{c}_{m}" for c in LSO_CASES for m in ("eager", "graph")]:
         for r in recs:
@@ -43,14 +48,14 @@ def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_):
 # ------------------------------------------------------------------ Elias-Fano by default (held)
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [3, 5])
-def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_counts(np_):
+def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_counts(np_, mpi_batch):
     """Held under attack: the default Elias-Fano coding through hgsgc.DistributedOptimizer on 3 and
     5 ranks, with variables of numel 0, 1, 2, 9, 0x4 and 257 (SGC 2-bit, tree, node fp32, 3
     buckets, delay 2; top-k with k < numel and k == numel; DGC), on the world and on process sets
     (every other rank; every rank but 0): weights and state equal the fixed coding's bit for bit,
     payload bytes = the formula per exchange (empty variables send nothing), the first update
     equals numpy's sparse average, weights identical on every member rank."""
-    out = mpi_result(np_, ["tests/mpi/brk11_ef.py"], timeout=900)
+    out = mpi_batch.result(np_, "tests/mpi/brk11_ef.py")
     recs = out["ranks"]
     seen = 0
     for r in recs:
@@ -75,7 +80,7 @@ def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_count
 # ------------------------------------------------------------------ op names per process set (fix)
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_collective_names_agree_when_one_rank_built_exchangers_on_another_process_set(np_):
+def test_collective_names_agree_when_one_rank_built_exchangers_on_another_process_set(np_, mpi_batch):
     """Fixed: the last rank also trains on a process set of its own (an SGC-tree optimizer and a
     guarded tape), between two identical rounds of global exchanges (SGC tree and node, TernGrad,
     PowerSGD, an SGC tape with nonfinite="skip"). The op names carried a process-wide count of
@@ -85,7 +90,7 @@ def test_collective_names_agree_when_one_rank_built_exchangers_on_another_proces
     [hgsgc_tree_7_round0] 1: [hgsgc_tree_5_round0]', killed after 200 s; 3 ranks alike in
     brk11_ef.py's process sets). Now numbered per process set: the second round equals the first
     bit for bit, identical on every rank."""
-    out = mpi_result(np_, ["tests/mpi/brk11_uid.py"], timeout=400)
+    out = mpi_batch.result(np_, "tests/mpi/brk11_uid.py")
     for r in out["ranks"]:
         assert set(r) == {"sgc_tree", "sgc_node", "terngrad", "powersgd", "tape"}, r
         for name, got in r.items():

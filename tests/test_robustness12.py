@@ -5,15 +5,16 @@ import os
 
 import pytest
 
-from conftest import ROOT, mpi_result
+from conftest import ROOT, mpi_cases
 
 CFG = os.path.join(ROOT, "configs", "fashion_mnist_sgc.yaml")
+MPI_CASES = mpi_cases("tests/mpi/check_robustness12_nodes.py", ranks=[2, 3, 4], timeout=400)
 
 
 # ------------------------------------------------------------------ node hierarchy env (fix)
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_ranks_per_node_variable_on_some_ranks_only_is_one_error_not_a_hang(np_):
+def test_ranks_per_node_variable_on_some_ranks_only_is_one_error_not_a_hang(np_, mpi_batch):
     """Fixed: ``$HGSGC_RANKS_PER_NODE`` set on the last rank only (``mpirun`` without ``-x``
     does not pass it to ranks on other hosts) made that rank skip the MPI host discovery the
     others entered, so SGC ``hierarchy="node"`` hung (2 ranks: 'Missing ranks: 0:
@@ -21,7 +22,7 @@ def test_ranks_per_node_variable_on_some_ranks_only_is_one_error_not_a_hang(np_)
     set on some ranks only or to different values, every rank raises the same ValueError naming
     it, the ranks and ``-x``; unset or equal everywhere, training runs and the weights are
     identical on every rank (and the job goes on after a refused case)."""
-    out = mpi_result(np_, ["tests/mpi/check_robustness12_nodes.py"], timeout=400)
+    out = mpi_batch.result(np_, "tests/mpi/check_robustness12_nodes.py")
     recs = out["ranks"]
     for case in ("unset", "same", "after"):
         for r in recs:

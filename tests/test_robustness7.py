@@ -6,6 +6,10 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import mpi_cases
+
+MPI_CASES = mpi_cases("tests/mpi/check_boundary_probe.py", ranks=[4], timeout=300)
+
 
 def _tiny_split():
     import tensorflow as tf
@@ -177,13 +181,11 @@ def test_layout_auto_boundary_callable_failing_on_one_rank_ends_the_job(run_mpi,
 
 
 @pytest.mark.mpi
-def test_boundary_probe_on_4_ranks_pairs_rank_0_with_every_rank():
+def test_boundary_probe_on_4_ranks_pairs_rank_0_with_every_rank(mpi_batch):
     """tests/mpi/check_boundary_probe.py (run by its own test with 2 and 3 ranks) on 4 ranks."""
-    from conftest import mpi_result
-
     from hgsgc.hourglass import costmodel
 
-    res = mpi_result(4, ["tests/mpi/check_boundary_probe.py"], timeout=300)
+    res = mpi_batch.result(4, "tests/mpi/check_boundary_probe.py")
     assert res["size"] == 4
     for key in ("fp32/fp32", "sparse+q8/sparse+q8"):
         ps = [r["probes"][key] for r in res["ranks"]]

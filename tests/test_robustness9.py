@@ -8,7 +8,10 @@ import json
 
 import pytest
 
+from conftest import mpi_cases
 from hgsgc import bench
+
+MPI_CASES = mpi_cases("tests/mpi/brk9_ef_matrix.py", ranks=[3], timeout=400)
 
 
 # ------------------------------------------------------------------ hgsgc bench cells_from
@@ -102,7 +105,7 @@ def test_a_compression_that_differs_across_ranks_stops_every_rank_naming_it(np_,
 
 # ------------------------------------------------------------------ Elias-Fano index coding (held)
 @pytest.mark.mpi
-def test_elias_fano_equals_fixed_for_every_sparse_method_and_hierarchy_on_3_ranks():
+def test_elias_fano_equals_fixed_for_every_sparse_method_and_hierarchy_on_3_ranks(mpi_batch):
     """Top-k (fp32 and 2-bit), DGC and SGC (2-bit and fp32) over allgather with buckets=2, tree and
     node (uneven emulated hosts 2+1), numel 1 / 5 / 17 / 1001, density 0.05 and 1.0 (k == numel):
     with elias_fano every average and residual equals fixed coding's bit for bit, with the C++
@@ -110,9 +113,7 @@ def test_elias_fano_equals_fixed_for_every_sparse_method_and_hierarchy_on_3_rank
     (wire.payload_length per tensor, per exchange); the flat allgather sends (n - 1) P. DGC's
     warm-up of sparsity through the optimizer (k changes between steps): the same weights with
     either coding and payload bytes = the sum over steps of each step's formula."""
-    from conftest import mpi_result
-
-    out = mpi_result(3, ["tests/mpi/brk9_ef_matrix.py"], timeout=400)
+    out = mpi_batch.result(3, "tests/mpi/brk9_ef_matrix.py")
     steps = 2
     for per_rank in out["ranks"]:
         assert len(per_rank) == 7

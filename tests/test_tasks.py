@@ -4,7 +4,10 @@ import math
 import numpy as np
 import pytest
 
+from conftest import mpi_cases
 from hgsgc.config import ConfigError, load_config
+
+MPI_CASES = mpi_cases("tests/mpi/check_indexed_slices.py", ranks=[2, 3], timeout=600)
 
 
 def _t(**kw):
@@ -180,10 +183,8 @@ def test_run_log_step_lines_and_tensorboard(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3])
-def test_indexed_slices_through_every_compression(np_):
-    from conftest import mpi_result
-
-    out = mpi_result(np_, ["tests/mpi/check_indexed_slices.py"], timeout=600)
+def test_indexed_slices_through_every_compression(np_, mpi_batch):
+    out = mpi_batch.result(np_, "tests/mpi/check_indexed_slices.py")
     for name, m in out["methods"].items():
         assert "error" not in m, (name, m)
         # the sparse path and the densified path apply the same update (float32 sums in another order)

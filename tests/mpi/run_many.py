@@ -11,7 +11,8 @@ Rank 0 prints, per case, ``CASE <key> RESULT {json}`` (the script's own ``RESULT
 ``CASE <key> ERROR <traceback>``. A case that raises on any rank ends the whole job with exit 1
 (the remaining cases report nothing; an error on one rank must not leave the others waiting); a
 case that runs past its timeout ends the job the same way, naming the case (``CASE <key>
-TIMEOUT``). Between cases the Keras session and the mixed-precision policy are reset; with
+TIMEOUT``). Between cases the Keras session, the mixed-precision policy and the environment
+variables are reset; with
 ``--dynamic`` Horovod starts with dynamic process sets (what the brk11 scripts ask for) and every
 process set a case added is removed after it.
 """
@@ -96,7 +97,7 @@ def main():
         threading.Thread(target=_watchdog, args=(key, float(case["timeout"]), done), daemon=True).start()
         tee = _Tee(real_out)
         sys.argv = [script] + argv[1:]
-        saved_path = list(sys.path)
+        saved_path, saved_env = list(sys.path), dict(os.environ)
         sys.path.insert(0, os.path.dirname(script))
         sys.stdout = tee
         try:
@@ -110,6 +111,9 @@ def main():
         finally:
             sys.stdout = real_out
             sys.path[:] = saved_path
+            if dict(os.environ) != saved_env:  # a case's variables (e.g. HGSGC_RANKS_PER_NODE) end with it
+                os.environ.clear()
+                os.environ.update(saved_env)
         done.set()
         if tee.results:
             print(f"CASE {key} RESULT {tee.results[-1]}", flush=True)
