@@ -28,6 +28,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
+#: ``AuthInfo`` ``cred_expire`` (slurm.conf(5)): the job credential's lifetime, which "also controls how
+#: long a requeued job must wait before starting again" (default 120 s: the preemption test's
+#: requeued job sat idle for two minutes of the suite). 30 s still covers a batch launch on the
+#: loaded CI machine (seconds).
+CRED_EXPIRE_S = 30
+
+
 def write_conf(d, host, cpus, munge_dir):
     ctl, node = _free_port(), _free_port()
     conf = f"""ClusterName=hgsgctest
@@ -36,7 +43,7 @@ SlurmctldPort={ctl}
 SlurmdPort={node}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_dir}/munge.sock
+AuthInfo=socket={munge_dir}/munge.sock,cred_expire={CRED_EXPIRE_S}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d}/state

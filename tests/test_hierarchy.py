@@ -164,10 +164,12 @@ def test_reference_conserves_mass():
 # Under mpirun
 
 
-MPI_CASES = mpi_cases("tests/mpi/check_hierarchy.py", ranks=[2, 3, 4, 5, 6, 8], timeout=600)
+# 2-5 ranks and 8 (a power of two with three tree levels); 6 (even, not a power of two: 40-80 s of
+# the suite) was dropped in session 13: 3 and 5 cover counts that are not powers of two
+MPI_CASES = mpi_cases("tests/mpi/check_hierarchy.py", ranks=[2, 3, 4, 5, 8], timeout=600)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4, 5, 6, 8])
+@pytest.fixture(scope="module", params=[2, 3, 4, 5, 8])
 def result(request, mpi_batch):
     return mpi_batch.result(request.param, "tests/mpi/check_hierarchy.py")
 
