@@ -1,4 +1,4 @@
-"""Mixed precision: Keras' LossScaleOptimizer around hgsgc.DistributedOptimizer on 2, 3 and 4
+"""Mixed precision: Keras' LossScaleOptimizer around hgsgc.DistributedOptimizer on 2 and 3
 ranks (tests/mpi/check_loss_scale.py). Before, a loss-scale overflow on one rank made that rank
 skip its exchange alone: the ranks' collectives then paired different steps (checked by hand on
 2 ranks: rank 0's step 1 ran against rank 1's step 2, the scales diverged 32768 vs 16384, and the
