@@ -61,6 +61,16 @@ class _HgsgcOptimizerMixin:
         self._hgsgc_sync_fn = None
         self._hgsgc_guard_setup()
 
+    def _hgsgc_settings(self) -> dict:
+        """What the first step's cross-rank check compares: the compression's settings and, with
+        DGC momentum correction, the momentum taken from the wrapped optimizer (ranks built with
+        ``SGD(momentum=0.9)`` and ``0.8`` trained silently before session 13; the tape compares
+        its ``momentum=`` alike)."""
+        settings = _settings(self._hgsgc_compression)
+        if self._hgsgc_exchanger.momentum is not None:
+            settings["momentum"] = self._hgsgc_exchanger.momentum
+        return settings
+
     @property
     def hgsgc_exchanger(self) -> Exchanger:
         """The :class:`Exchanger` (its ``stats`` and ``memory`` hold byte counts and residuals)."""
@@ -138,7 +148,7 @@ class _HgsgcOptimizerMixin:
         on_some = "on some rank:" if collective else f"on rank {hvd.rank()}:"
         return _guard_nonfinite(
             faults.densify(grads, variables), names, mode=self._hgsgc_nonfinite, process_set=ps,
-            settings=_settings(self._hgsgc_compression), guard={"nonfinite": self._hgsgc_nonfinite},
+            settings=self._hgsgc_settings(), guard={"nonfinite": self._hgsgc_nonfinite},
             checked=self._hgsgc_checked, key=tuple(names), exchange=exchange_fn,
             stateless=exchange_fn is not None, apply=apply_fn, collective=collective,
             counter=self._hgsgc_skipped,
@@ -190,7 +200,7 @@ class _HgsgcOptimizerMixin:
         # (it halves its scale and skips), so a skip hands it all-NaN gradients on every rank
         avg = _guard_nonfinite(
             faults.densify([g for g, _ in grads_and_vars], variables), names, mode="skip",
-            process_set=ex.process_set, settings=_settings(self._hgsgc_compression),
+            process_set=ex.process_set, settings=self._hgsgc_settings(),
             guard={"nonfinite": self._hgsgc_nonfinite, "loss_scale": True},
             checked=self._hgsgc_checked, key=key, exchange=lambda g: ex.exchange(g, names),
             stateless=ex.pipeline is None, skip_with="nan", verdict_name="hgsgc_loss_scale_finite")

@@ -83,22 +83,26 @@ def test_cells_from_refuses_cells_of_another_configuration(tmp_path):
 
 # ------------------------------------------------------------------ compression differing across ranks
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_,entry,field", [(2, "optimizer", "index_coding"), (3, "tape", "density")])
+@pytest.mark.parametrize("np_,entry,field", [(2, "optimizer", "index_coding"), (3, "tape", "density"),
+                                             (2, "optimizer", "momentum")])
 def test_a_compression_that_differs_across_ranks_stops_every_rank_naming_it(np_, entry, field):
     """hgsgc.DistributedOptimizer / DistributedGradientTape built with another compression on one
     rank (index_coding elias_fano there, or another density) ended in an internal
     'HgsgcDecodeAccumulate: payload of rank 1: entry 2 has index 3 (indices must be strictly
     ascending)' or a Reshape error on each rank (and a payload of equal length could decode to a
     wrong average). The first step's cross-rank check now compares the compression settings too:
-    one line naming the setting, both values and the ranks."""
+    one line naming the setting, both values and the ranks. ``momentum`` (session 13): DGC's
+    correction momentum, taken from the wrapped SGD, was not compared by the optimizer (0.9 and 0.8
+    trained silently; the tape compared its ``momentum=``)."""
     from conftest import mpirun
 
     p = mpirun(np_, ["tests/mpi/brk9_mixed_compression.py", entry, field], timeout=240)
     assert p.returncode != 0 and "UNREACHABLE" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     got = [ln for ln in p.stderr.splitlines() if "hgsgc: error" in ln]
     assert len(got) == 1, p.stderr[-3000:]
-    want = ("index_coding 'fixed' on rank 0 but 'elias_fano' on rank " if field == "index_coding"
-            else "density 0.5 on rank 0 but 0.25 on rank ") + f"{np_ - 1}"
+    want = {"index_coding": "index_coding 'fixed' on rank 0 but 'elias_fano' on rank ",
+            "density": "density 0.5 on rank 0 but 0.25 on rank ",
+            "momentum": "momentum 0.9 on rank 0 but 0.8 on rank "}[field] + f"{np_ - 1}"
     assert f"compression differs between ranks: {want}" in got[0], got[0]
     assert "pass the same compression on every rank" in got[0], got[0]
 

@@ -1,7 +1,8 @@
 """The last rank passes another compression than the others (a user's rank-dependent setting):
 argv[1] is the entry point (``optimizer`` or ``tape``), argv[2] the field that differs
 (``index_coding`` or ``density``; ``index_coding_default``: the other ranks leave index_coding out,
-the default elias_fano, the last passes fixed). The first step must stop every rank with one error naming the
+the default elias_fano, the last passes fixed; ``momentum``: DGC with the wrapped SGD's momentum 0.9,
+0.8 on the last rank). The first step must stop every rank with one error naming the
 setting and both values, never a hang, never an internal decode error or a silently wrong average."""
 import sys
 
@@ -26,9 +27,13 @@ def body():
     elif last:
         kw.update({"index_coding": "elias_fano"} if FIELD == "index_coding" else {"density": 0.25})
     comp = hgsgc.Compression.topk(**kw)
+    momentum = 0.0
+    if FIELD == "momentum":
+        comp = hgsgc.Compression.dgc(0.5)
+        momentum = 0.8 if last else 0.9
     tf.keras.utils.set_random_seed(1)
     model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(4, name="dense")])
-    opt = tf.keras.optimizers.legacy.SGD(0.1)
+    opt = tf.keras.optimizers.legacy.SGD(0.1, momentum=momentum)
     if ENTRY == "optimizer":
         opt = hgsgc.DistributedOptimizer(opt, compression=comp)
 
