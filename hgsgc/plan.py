@@ -699,12 +699,27 @@ def _clamped(info: dict) -> str:
 def plan_main(args) -> int:
     """``hgsgc plan CONFIG [overrides] --nodes N --bandwidth B``: print :func:`format_plan`
     (exit 0), or one line naming the bad input (exit 2). ``--steps-to-target`` keys that name
-    no row (the method column) are listed in a warning on stderr after the plan (exit 0)."""
+    no row (the method column) are listed in a warning on stderr after the plan (exit 0).
+
+    ``plan`` is one process: it predicts ``--nodes N`` without running on them. Started as
+    several processes (``mpirun -np 4 hgsgc plan ...``, ``srun`` inside a multi-task allocation),
+    every rank used to measure the same step and write the same ``--json`` file; now rank 0 alone
+    plans (with one note on stderr saying so) and the other ranks exit 0 at once, as a launcher
+    expects of every process."""
     import json
     import os
     import sys
 
+    from hgsgc import runtime
     from hgsgc.config import ConfigError, load_config
+
+    size = runtime.world_size()
+    if size > 1:
+        if runtime.world_rank() != 0:
+            return 0
+        print(f"hgsgc plan: started as {size} processes (mpirun / srun); plan is a single-process "
+              f"command (it predicts --nodes without running on them): rank 0 alone measures, prints "
+              f"and writes, the other ranks exit", file=sys.stderr)
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -84,6 +84,18 @@ def world_rank(environ: Optional[MutableMapping[str, str]] = None) -> int:
     return 0
 
 
+def world_size(environ: Optional[MutableMapping[str, str]] = None) -> int:
+    """How many processes the launcher started (Open MPI, PMI, PMIx, Slurm), from its environment;
+    1 outside a launcher."""
+    env = os.environ if environ is None else environ
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        try:
+            return max(1, int(env[var]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
 def pin_to_core(environ: Optional[MutableMapping[str, str]] = None) -> Optional[int]:
     """With ``HGSGC_PIN_CORES=1``: pin this process to core ``rank % cores`` (of the cores it may
     use) and return that core; otherwise None.

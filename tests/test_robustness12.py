@@ -54,6 +54,30 @@ def plan_cli(monkeypatch):
     return main
 
 
+def test_plan_under_a_launcher_runs_on_rank_0_only(plan_cli, tmp_path, monkeypatch, capsys):
+    """Fixed (session 13): ``mpirun -np 3 hgsgc plan ... --json F`` made every rank measure the
+    same step and write the same file. Now a rank other than 0 exits 0 at once (no output, no
+    file, nothing measured); rank 0 notes the other ranks on stderr and plans as one process."""
+    from hgsgc import plan as plan_mod
+
+    main = plan_cli
+    out = tmp_path / "plan.json"
+    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("rank 1 planned"))
+    for var in ("PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    rc = main(["plan", CFG, "--nodes", "4", "--bandwidth", "10gbit", "--compute-ms", "10", "--json", str(out)])
+    assert rc == 0 and capsys.readouterr() == ("", "") and not out.exists()
+    # rank 0: the note, then the plan itself (here a bad input, to stop before measuring)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    rc = main(["plan", CFG, "--nodes", "0", "--bandwidth", "10gbit", "--compute-ms", "10"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 2, err
+    assert err[0].startswith("hgsgc plan: started as 3 processes") and "rank 0 alone" in err[0], err
+    assert err[1] == "hgsgc plan: --nodes must be >= 1, got 0", err
+
+
 def test_plan_refuses_a_bandwidth_that_overflows_to_inf(plan_cli, capsys):
     """Fixed: ``--bandwidth`` of a '1' and 400 zeros (any unit) overflowed ``float()`` to inf and
     was accepted: ``hgsgc plan`` measured for 130 s and ranked every method on 'link inf Mbit/s'
