@@ -174,6 +174,29 @@ PROBE_SMALL_BYTES = 8
 PROBE_BIG_BYTES = 1 << 20
 
 
+def _ping_pong(comm, first: bool, other: int, sizes, tag: int) -> list:
+    """The blocking ping-pong of one pair of ranks (the probes below): for each ``(buf, reps)`` of
+    ``sizes``, one untimed round trip (it warms the connection up) then ``reps`` (>= 1) timed
+    ones; ``first`` sends first, ``other`` is the peer's rank in ``comm``. Returns, per size, the
+    median one-way time in seconds (half a round trip, ``time.perf_counter``)."""
+    import numpy as np
+
+    res = []
+    for buf, reps in sizes:
+        ts = []
+        for _ in range(max(1, int(reps)) + 1):
+            t0 = time.perf_counter()
+            if first:
+                comm.Send(buf, dest=other, tag=tag)
+                comm.Recv(buf, source=other, tag=tag)
+            else:
+                comm.Recv(buf, source=other, tag=tag)
+                comm.Send(buf, dest=other, tag=tag)
+            ts.append((time.perf_counter() - t0) / 2)
+        res.append(float(np.median(ts[1:])))
+    return res
+
+
 def probe_link(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES, big_reps: int = 3) -> dict:
     """Measure ``alpha`` and ``beta`` of the links from rank 0 to every other rank of ``comm``
     by blocking ping-pong (``MPI Send``/``Recv``, tag 77); collective over ``comm``.
@@ -212,19 +235,7 @@ def probe_link(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTES, big
         if rank not in (0, peer):
             continue
         other = peer if rank == 0 else 0
-        res = []
-        for buf, reps in ((small, small_reps), (big, big_reps)):
-            ts = []
-            for _ in range(max(1, int(reps)) + 1):  # the first round trip warms the connection up
-                t0 = time.perf_counter()
-                if rank == 0:
-                    comm.Send(buf, dest=other, tag=77)
-                    comm.Recv(buf, source=other, tag=77)
-                else:
-                    comm.Recv(buf, source=other, tag=77)
-                    comm.Send(buf, dest=other, tag=77)
-                ts.append((time.perf_counter() - t0) / 2)
-            res.append(float(np.median(ts[1:])))
+        res = _ping_pong(comm, rank == 0, other, ((small, small_reps), (big, big_reps)), tag=77)
         if rank == 0:
             a = res[0]
             pairs.append([peer, a, int(big_bytes) / max(res[1] - a, 1e-9)])
@@ -302,19 +313,7 @@ def probe_link_pairs(comm, small_reps: int = 20, big_bytes: int = PROBE_BIG_BYTE
             continue
         first = rank == pair[0]
         other = pair[1] if first else pair[0]
-        res = []
-        for buf, reps in ((small, small_reps), (big, big_reps)):
-            ts = []
-            for _ in range(max(1, int(reps)) + 1):  # the first round trip warms the connection up
-                t0 = time.perf_counter()
-                if first:
-                    comm.Send(buf, dest=other, tag=78)
-                    comm.Recv(buf, source=other, tag=78)
-                else:
-                    comm.Recv(buf, source=other, tag=78)
-                    comm.Send(buf, dest=other, tag=78)
-                ts.append((time.perf_counter() - t0) / 2)
-            res.append(float(np.median(ts[1:])))
+        res = _ping_pong(comm, first, other, ((small, small_reps), (big, big_reps)), tag=78)
         if first:
             mine.append([pair[0], pair[1], res[0], int(big_bytes) / max(res[1] - res[0], 1e-9)])
     found = sorted((p for ps in comm.allgather(mine) for p in ps), key=lambda p: (p[0], p[1]))
