@@ -39,8 +39,16 @@ def test_per_repeat_medians_and_spread():
     assert fig["identical_job_spread"] == pytest.approx({"sgc_dp": 44 / 40, "hourglass": 32 / 28, "auto": 33 / 26})
     assert fig["load_range"] == [1.5, 4.0]
     md = rep.table(fig)
-    assert "| 1 | 40.0 (2.0) | 30.0 (3.0) | 33.0 (4.0) -> hourglass | 1.100 | 1.100 | nan (39.0 / 14.0) |" in md
-    assert "| median | 42.0 | 30.0 | 28.5 | 0.950 | | |" in md
+    # With start-up (epoch + launch - wall): repeat 1 DP 54, Hourglass 44, auto 33 + 39 = 72.
+    assert r[1]["epoch_with_startup_s"] == pytest.approx({"sgc_dp": 54.0, "hourglass": 44.0, "auto": 72.0})
+    assert r[1]["better_with_startup"] == "hourglass"
+    assert r[1]["auto_vs_better_with_startup"] == pytest.approx(72 / 44)
+    assert r[2]["auto_vs_better_with_startup"] == pytest.approx((28.5 + 34) / 42)
+    assert r[3]["auto_vs_better_with_startup"] == pytest.approx(40 / 46)
+    assert fig["within_5pct_per_repeat_with_startup"] == 1
+    assert ("| 1 | 40.0 (2.0) | 30.0 (3.0) | 33.0 (4.0) -> hourglass | 1.100 | 1.100 | nan (39.0 / 14.0) "
+            "| 54.0 / 44.0 / 72.0 | 1.636 |") in md
+    assert "| median | 42.0 | 30.0 | 28.5 | 0.950 | | | | |" in md
 
 
 def test_choices_from_the_run_folders(tmp_path):
