@@ -8,9 +8,11 @@ import pytest
 from conftest import mpi_cases
 
 # the three scripts start Horovod with dynamic process sets: they share one launch per rank count
+# (session 13, suite time: brk11_ef on 5 ranks and brk11_uid on 4 ranks were launches of their own,
+# 89 s and 38 s of the suite; 3 ranks keep the odd count and the process sets of 2 and 1 ranks)
 MPI_CASES = (mpi_cases("tests/mpi/brk11_loss_scale.py", ranks=[2, 3], timeout=600, dynamic=True)
-             + mpi_cases("tests/mpi/brk11_ef.py", ranks=[3, 5], timeout=900, dynamic=True)
-             + mpi_cases("tests/mpi/brk11_uid.py", ranks=[2, 3, 4], timeout=400, dynamic=True))
+             + mpi_cases("tests/mpi/brk11_ef.py", ranks=[3], timeout=900, dynamic=True)
+             + mpi_cases("tests/mpi/brk11_uid.py", ranks=[2, 3], timeout=400, dynamic=True))
 
 LSO_CASES = ["powersgd", "terngrad", "efsignsgd", "dgc", "sgc_tree", "sgc_node", "sgc_buckets2",
              "topk_fixed"]
@@ -47,10 +49,10 @@ def test_loss_scale_overflow_skips_alike_for_every_other_compression(np_, mpi_ba
 
 # ------------------------------------------------------------------ Elias-Fano by default (held)
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_", [3, 5])
+@pytest.mark.parametrize("np_", [3])
 def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_counts(np_, mpi_batch):
-    """Held under attack: the default Elias-Fano coding through hgsgc.DistributedOptimizer on 3 and
-    5 ranks, with variables of numel 0, 1, 2, 9, 0x4 and 257 (SGC 2-bit, tree, node fp32, 3
+    """Held under attack: the default Elias-Fano coding through hgsgc.DistributedOptimizer on 3
+    ranks (5 as well until session 13), with variables of numel 0, 1, 2, 9, 0x4 and 257 (SGC 2-bit, tree, node fp32, 3
     buckets, delay 2; top-k with k < numel and k == numel; DGC), on the world and on process sets
     (every other rank; every rank but 0): weights and state equal the fixed coding's bit for bit,
     payload bytes = the formula per exchange (empty variables send nothing), the first update
@@ -79,7 +81,7 @@ def test_elias_fano_equals_fixed_with_empty_and_tiny_variables_on_odd_rank_count
 
 # ------------------------------------------------------------------ op names per process set (fix)
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_", [2, 3, 4])
+@pytest.mark.parametrize("np_", [2, 3])
 def test_collective_names_agree_when_one_rank_built_exchangers_on_another_process_set(np_, mpi_batch):
     """Fixed: the last rank also trains on a process set of its own (an SGC-tree optimizer and a
     guarded tape), between two identical rounds of global exchanges (SGC tree and node, TernGrad,
