@@ -273,13 +273,10 @@ def error_comm():
 
 
 def world_rank() -> int:
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            try:
-                return int(os.environ[var])
-            except ValueError:
-                pass
-    return 0
+    """This process's MPI rank from the launcher's environment (:func:`hgsgc.runtime.world_rank`)."""
+    from hgsgc import runtime
+
+    return runtime.world_rank()
 
 
 def _abort(code: int):

@@ -61,16 +61,6 @@ class _HgsgcOptimizerMixin:
         self._hgsgc_sync_fn = None
         self._hgsgc_guard_setup()
 
-    def _hgsgc_settings(self) -> dict:
-        """What the first step's cross-rank check compares: the compression's settings and, with
-        DGC momentum correction, the momentum taken from the wrapped optimizer (ranks built with
-        ``SGD(momentum=0.9)`` and ``0.8`` trained silently before session 13; the tape compares
-        its ``momentum=`` alike)."""
-        settings = _settings(self._hgsgc_compression)
-        if self._hgsgc_exchanger.momentum is not None:
-            settings["momentum"] = self._hgsgc_exchanger.momentum
-        return settings
-
     @property
     def hgsgc_exchanger(self) -> Exchanger:
         """The :class:`Exchanger` (its ``stats`` and ``memory`` hold byte counts and residuals)."""
@@ -148,7 +138,8 @@ class _HgsgcOptimizerMixin:
         on_some = "on some rank:" if collective else f"on rank {hvd.rank()}:"
         return _guard_nonfinite(
             faults.densify(grads, variables), names, mode=self._hgsgc_nonfinite, process_set=ps,
-            settings=self._hgsgc_settings(), guard={"nonfinite": self._hgsgc_nonfinite},
+            settings=_settings(self._hgsgc_compression, self._hgsgc_exchanger.momentum),
+            guard={"nonfinite": self._hgsgc_nonfinite},
             checked=self._hgsgc_checked, key=tuple(names), exchange=exchange_fn,
             stateless=exchange_fn is not None, apply=apply_fn, collective=collective,
             counter=self._hgsgc_skipped,
@@ -200,7 +191,7 @@ class _HgsgcOptimizerMixin:
         # (it halves its scale and skips), so a skip hands it all-NaN gradients on every rank
         avg = _guard_nonfinite(
             faults.densify([g for g, _ in grads_and_vars], variables), names, mode="skip",
-            process_set=ex.process_set, settings=self._hgsgc_settings(),
+            process_set=ex.process_set, settings=_settings(self._hgsgc_compression, ex.momentum),
             guard={"nonfinite": self._hgsgc_nonfinite, "loss_scale": True},
             checked=self._hgsgc_checked, key=key, exchange=lambda g: ex.exchange(g, names),
             stateless=ex.pipeline is None, skip_with="nan", verdict_name="hgsgc_loss_scale_finite")
@@ -400,10 +391,16 @@ def _lead_rank(process_set) -> int:
     return min(ranks) if ranks else 0
 
 
-def _settings(comp) -> dict:
-    """``comp.to_dict()`` (JSON-like), compared across ranks by the first step's signature check."""
+def _settings(comp, momentum=None) -> dict:
+    """``comp.to_dict()`` (JSON-like), compared across ranks by the first step's signature check,
+    with ``momentum`` (the DGC correction momentum: the wrapped optimizer's, or the tape's
+    ``momentum=``) when it is not None. Before session 13 the optimizer left the momentum out, so
+    ranks built with ``SGD(momentum=0.9)`` and ``0.8`` trained silently."""
     to_dict = getattr(comp, "to_dict", None)
-    return dict(to_dict()) if callable(to_dict) else {"compression": repr(comp)}
+    out = dict(to_dict()) if callable(to_dict) else {"compression": repr(comp)}
+    if momentum is not None:
+        out["momentum"] = momentum
+    return out
 
 
 def _guard_nonfinite(grads, names, *, mode, process_set, settings, guard, checked, key,
@@ -721,7 +718,7 @@ class DistributedGradientTape:
             flat_g = [None if g is None else g * tf.cast(recip, g.dtype) for g in flat_g]
         avg = _guard_nonfinite(
             flat_g, names, mode=mode, process_set=ps,
-            settings=dict(_settings(self._comp), momentum=self._momentum), guard={"nonfinite": mode},
+            settings=_settings(self._comp, self._momentum), guard={"nonfinite": mode},
             checked=_TAPE_CHECKED, key=(id(ex), tuple(names)),  # once per model, as the optimizer
             exchange=lambda g: ex.exchange(g, names), stateless=ex.pipeline is None,
             skip_with="nan" if mode == "nan" else "zeros",

@@ -73,27 +73,27 @@ def apply_defaults(environ: Optional[MutableMapping[str, str]] = None) -> Dict[s
     return done
 
 
-def world_rank(environ: Optional[MutableMapping[str, str]] = None) -> int:
-    """This process's MPI rank from the launcher's environment (Open MPI, PMI, PMIx, Slurm); 0."""
+def _launcher_int(names, environ, default: int) -> int:
+    """The first of the variables ``names`` set to an integer in ``environ`` (default
+    ``os.environ``), else ``default``."""
     env = os.environ if environ is None else environ
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for var in names:
         try:
             return int(env[var])
         except (KeyError, ValueError):
             continue
-    return 0
+    return default
+
+
+def world_rank(environ: Optional[MutableMapping[str, str]] = None) -> int:
+    """This process's MPI rank from the launcher's environment (Open MPI, PMI, PMIx, Slurm); 0."""
+    return _launcher_int(("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"), environ, 0)
 
 
 def world_size(environ: Optional[MutableMapping[str, str]] = None) -> int:
     """How many processes the launcher started (Open MPI, PMI, PMIx, Slurm), from its environment;
     1 outside a launcher."""
-    env = os.environ if environ is None else environ
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
-        try:
-            return max(1, int(env[var]))
-        except (KeyError, ValueError):
-            continue
-    return 1
+    return max(1, _launcher_int(("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"), environ, 1))
 
 
 def pin_to_core(environ: Optional[MutableMapping[str, str]] = None) -> Optional[int]:

@@ -5,7 +5,7 @@
 #   2. AlexNet-style (FC-heavy; the Hourglass about ties/wins) configs/bench/cifar_alexnet_4h_hourglass_auto_s13.yaml
 # Each bench saves docs/benchmarks/NAME.partial.json after every cell, so a cut run keeps its cells.
 # The second bench starts only if at least MIN_LEFT_S (default 300 s) remain before DEADLINE (a UTC
-# time such as 07:30; default: the contents of /work/coord/go_au13, else no deadline).
+# time such as 07:30; default: no deadline).
 # Then scripts/hourglass_auto_repeats.py prints, per repeat, the time per epoch without and WITH the
 # start-up (epoch + launch - wall), auto / better on both bases, and auto's choice and start-up phases.
 # Usage (quiet slot, no nice):  flock /work/coord/cluster.lock scripts/cluster/auto_repeat_s13.sh
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2
 PY=${PY:-.venv/bin/python}
 HGSGC=${HGSGC:-.venv/bin/hgsgc}
-DEADLINE=${DEADLINE:-$(cat /work/coord/go_au13 2>/dev/null | head -1)}
+DEADLINE=${DEADLINE:-}
 MIN_LEFT_S=${MIN_LEFT_S:-300}
 left_s() { [ -z "$DEADLINE" ] && { echo 999999; return; }; echo $(( $(date -u -d "$DEADLINE" +%s) - $(date -u +%s) )); }
 for name in vgg16_4h_hourglass_auto_s13 cifar_alexnet_4h_hourglass_auto_s13; do
