@@ -1143,8 +1143,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
 
     Returns ``{"base_s", "per_payload_s"}``: ``base_s`` = the exchange in a process set of one rank
     (selection / quantisation / factorisation, encoding, decoding the rank's own payload; no
-    collective), ``per_payload_s`` = decoding and adding one more sparse payload (0 for dense,
-    PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). fp32 dense:
+    collective), ``per_payload_s`` = what one more rank's sparse payload costs the exchange
+    (:func:`_measure_per_payload_s`: with the allgather the fused decode-and-add kernel the
+    exchange runs per payload, with tree / node one decode and two-part merge per tensor; 0 for
+    dense, PowerSGD and TernGrad, whose decoding does not grow with the ranks in this model). fp32 dense:
     both 0. fp16 dense (session 11): ``base_s`` = :func:`measure_fp16_cast_s` (the cast to float16
     before Horovod's allreduce and back after, which a world of one skips: ``"alone_s": 0.0``, see
     :func:`compression_at`). The cost of
@@ -1182,26 +1184,75 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     base = _timed_median(lambda: once().numpy(), reps, clock=clock)
     per = 0.0
     if isinstance(comp, SparseCompression):
-        from hgsgc.compression import codec
-        from hgsgc.compression.sparsify import exact_topk, num_selected
+        per = _measure_per_payload_s(comp, tensors, reps, clock)
+    return {"base_s": base, "per_payload_s": per}
 
-        payloads = []
-        for t in tensors:
-            numel = int(np.prod(t.shape))
-            k = num_selected(numel, comp.density)
-            idx, vals = exact_topk(tf.reshape(t, [-1]), k)
-            payloads.append((codec.encode(idx, vals, numel, comp.bits, comp.index_coding)[0], numel, k))
+
+def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
+    """Median seconds one more rank's payload of every tensor in ``tensors`` costs an exchange of
+    the sparse setting ``comp`` (:func:`measure_compression_s`'s ``per_payload_s``), timed on the
+    path the exchange itself runs:
+
+    * ``hierarchy="allgather"``: the exchange decodes the gathered ``[n, P]`` buffer with
+      ``codec.decode_sum`` (:func:`hgsgc.compression.kernels.decode_accumulate`, one pass per
+      row), so one more rank is one more row: timed here as ``decode_sum`` of one ``[1, P]`` row
+      holding every tensor's payload (one op per tensor). Up to session 13 this was timed as
+      ``codec.decode`` + ``tf.scatter_nd`` in pure TF (about 20 ops per tensor), which the
+      exchange does not run: 3.8-4.5 ms against 0.67-0.71 ms for ``alexnet_small``'s shapes at
+      1 % density (session 14), and most of ``layout: auto``'s compression start-up was tracing it.
+    * ``"tree"`` / ``"node"``: one round of :func:`hgsgc.hierarchy.merge` as the exchange runs
+      it per tensor: decode the partner's payload (``codec.decode``) and merge it with this
+      rank's (union, sum, top-k, re-encode; :mod:`hgsgc.hierarchy`), the partner's payload being
+      the top-k of the tensor rolled by half its length (a union of up to ``2 k`` entries).
+
+    ``tensors``: float32 tensors (any shapes). The payloads are the exact top-k of each tensor at
+    ``comp.density`` in ``comp.bits`` and ``comp.index_coding``; two warm-up calls, then ``reps``
+    timed ones (``clock``: as in :func:`measure_compute_s`).
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from hgsgc.compression import codec
+    from hgsgc.compression.sparsify import exact_topk, num_selected
+
+    cd = comp.codec()
+    items = []  # (payload, indices, values, numel, k) per tensor
+    for t in tensors:
+        numel = int(np.prod(t.shape))
+        k = num_selected(numel, comp.density)
+        idx, vals = exact_topk(tf.reshape(t, [-1]), k)
+        payload, q = codec.encode(idx, vals, numel, comp.bits, comp.index_coding)
+        items.append((payload, idx, q, numel, k))
+    if comp.hierarchy == "allgather" and hasattr(cd, "decode_sum"):
+        row = tf.reshape(tf.concat([it[0] for it in items], 0), [1, -1])
 
         @tf.function
-        def decode_one():
+        def one_more():
+            out, off = [], 0
+            for payload, _, _, numel, _ in items:
+                out.append(tf.reduce_sum(cd.decode_sum(row, numel, off)))
+                off += int(payload.shape[0])
+            return tf.add_n(out)
+    else:
+        from hgsgc import hierarchy
+
+        # the partner's payload: the same tensor rolled by half its length, so its k indices
+        # differ from this rank's and the union has up to 2 k entries, as between two ranks
+        partners = []
+        for t, (_, idx, q, numel, k) in zip(tensors, items):
+            pidx, pvals = exact_topk(tf.roll(tf.reshape(t, [-1]), numel // 2 + 1, 0), k)
+            partners.append((codec.encode(pidx, pvals, numel, comp.bits, comp.index_coding)[0], idx, q, numel, k))
+
+        @tf.function
+        def one_more():
             out = []
-            for p, numel, k in payloads:
-                i, v = codec.decode(p, numel, k, comp.bits, comp.index_coding)
-                out.append(tf.reduce_sum(tf.scatter_nd(i[:, None], v, [numel])))
+            for payload, idx, q, numel, k in partners:
+                got = codec.decode(payload, numel, k, comp.bits, comp.index_coding)
+                merged = hierarchy.merge([(idx, q), got], k, numel, comp.bits, comp.index_coding)
+                out.append(tf.reduce_sum(merged[2]) + tf.cast(tf.reduce_sum(merged[0]), tf.float32))
             return tf.add_n(out)
 
-        per = _timed_median(lambda: decode_one().numpy(), reps, clock=clock)
-    return {"base_s": base, "per_payload_s": per}
+    return _timed_median(lambda: one_more().numpy(), reps, clock=clock)
 
 
 def measure_update_s(shapes, momentum: float = 0.0, reps: int = 5, clock=None) -> float:

@@ -322,19 +322,24 @@ def test_elias_fano_training_is_bit_identical_on_every_rank(result):
         assert node["payload_fixed"] == node["P_fixed"] and node["payload_ef"] == node["P_ef"] < node["P_fixed"]
 
 
-def test_the_planner_measures_the_decode_of_the_coding_it_plans(monkeypatch):
+@pytest.mark.parametrize("hierarchy", ["allgather", "tree"])
+def test_the_planner_measures_the_decode_of_the_coding_it_plans(monkeypatch, hierarchy):
     """perfmodel.measure_compression_s (hgsgc plan's per-payload decode cost) decodes payloads
-    in the setting's index coding."""
+    in the setting's index coding, on the exchange's own path (since session 14): the
+    allgather's decode-and-add kernel, the tree's codec.decode before each merge."""
     import hgsgc.compression.codec as codec_mod
     from hgsgc import perfmodel
 
     seen = []
-    real = codec_mod.decode
+    name = "decode_accumulate" if hierarchy == "allgather" else "decode"
+    mod = kernels if hierarchy == "allgather" else codec_mod
+    real = getattr(mod, name)
 
-    def spy(payload, numel, k, bits, index_coding="fixed"):
-        seen.append(index_coding)
-        return real(payload, numel, k, bits, index_coding)
+    def spy(*a, **k):  # decode(payload, numel, k, bits, index_coding); decode_accumulate(..., index_coding=)
+        seen.append(k.get("index_coding", a[4] if hierarchy == "tree" and len(a) > 4 else "fixed"))
+        return real(*a, **k)
 
-    monkeypatch.setattr(codec_mod, "decode", spy)
-    out = perfmodel.measure_compression_s(Compression.sgc(0.05, index_coding=EF), [(40, 30), (90, 7)], reps=1)
+    monkeypatch.setattr(mod, name, spy)
+    out = perfmodel.measure_compression_s(Compression.sgc(0.05, index_coding=EF, hierarchy=hierarchy),
+                                          [(40, 30), (90, 7)], reps=1)
     assert out["per_payload_s"] > 0 and seen and set(seen) == {EF}

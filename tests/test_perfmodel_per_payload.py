@@ -1,0 +1,69 @@
+"""perfmodel.measure_compression_s's ``per_payload_s`` (session 14): what one more rank's payload
+costs a sparse exchange, timed on the path the exchange runs. With the allgather that is one more
+row of the fused decode-and-add kernel (``codec.decode_sum`` -> ``kernels.decode_accumulate``), one
+call per tensor on one ``[1, P]`` row holding every tensor's payload at its byte offset; with the
+tree, one decode and one two-part ``hierarchy.merge`` per tensor."""
+import numpy as np
+import pytest
+
+from hgsgc import hierarchy, perfmodel
+from hgsgc.compression import Compression, kernels, wire
+from hgsgc.compression.sparsify import num_selected
+
+SHAPES = [(40, 30), (90, 7), (13,)]
+
+
+@pytest.mark.parametrize("coding", ["fixed", "elias_fano"])
+def test_allgather_per_payload_is_one_kernel_row_per_tensor(monkeypatch, coding):
+    calls = []
+    real = kernels.decode_accumulate
+
+    def spy(gathered, numel, k, bits, offset=0, backend=None, index_coding="fixed", divisor=1):
+        calls.append((tuple(int(d) for d in gathered.shape), numel, k, bits, offset, index_coding, divisor))
+        return real(gathered, numel, k, bits, offset=offset, backend=backend, index_coding=index_coding,
+                    divisor=divisor)
+
+    monkeypatch.setattr(kernels, "decode_accumulate", spy)
+    import hgsgc.compression.codec as codec_mod
+
+    pure_tf = []
+    real_decode = codec_mod.decode
+    monkeypatch.setattr(codec_mod, "decode", lambda *a, **k: pure_tf.append(a) or real_decode(*a, **k))
+    comp = Compression.sgc(0.05, bits=2, index_coding=coding)
+    out = perfmodel.measure_compression_s(comp, SHAPES, reps=1)
+    numels = [int(np.prod(s)) for s in SHAPES]
+    ks = [num_selected(m, 0.05) for m in numels]
+    lens = [wire.payload_length(m, k, 2, coding) for m, k in zip(numels, ks)]
+    offsets = list(np.cumsum([0] + lens[:-1]))
+    # the one-rank exchange (base) runs its own decode_sum calls first; the per-payload graph's
+    # calls are the last len(SHAPES), traced once
+    mine = calls[-len(SHAPES):]
+    assert mine == [((1, sum(lens)), m, k, 2, int(o), coding, 1) for m, k, o in zip(numels, ks, offsets)]
+    assert out["per_payload_s"] > 0 and pure_tf == []  # no pure-TF decode on the allgather's path
+
+
+def test_tree_per_payload_is_one_two_part_merge_per_tensor(monkeypatch):
+    calls = []
+    real = hierarchy.merge
+
+    def spy(parts, k, numel, bits, index_coding="fixed"):
+        r = real(parts, k, numel, bits, index_coding)
+        calls.append((len(parts), k, numel, bits, index_coding))
+        return r
+
+    monkeypatch.setattr(hierarchy, "merge", spy)
+    comp = Compression.sgc(0.05, bits=2, index_coding="fixed", hierarchy="tree")
+    out = perfmodel.measure_compression_s(comp, SHAPES, reps=1)
+    numels = [int(np.prod(s)) for s in SHAPES]
+    ks = [num_selected(m, 0.05) for m in numels]
+    assert calls == [(2, k, m, 2, "fixed") for m, k in zip(numels, ks)]
+    assert out["per_payload_s"] > 0
+
+
+def test_per_payload_is_the_median_of_the_timed_calls():
+    """Both figures come from the clock: every timed call here lasts exactly 1 tick of a counter
+    clock, so the medians are exactly 1.0 (the wiring, not the machine)."""
+    ticks = iter(range(10_000))
+    out = perfmodel.measure_compression_s(Compression.sgc(0.05, bits=2), SHAPES, reps=3,
+                                          clock=lambda: float(next(ticks)))
+    assert out == {"base_s": 1.0, "per_payload_s": 1.0}
