@@ -1188,6 +1188,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     return {"base_s": base, "per_payload_s": per}
 
 
+#: Rows of the second timing of the allgather's per-payload cost (:func:`_measure_per_payload_s`).
+PER_PAYLOAD_ROWS = 9
+
+
 def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
     """Median seconds one more rank's payload of every tensor in ``tensors`` costs an exchange of
     the sparse setting ``comp`` (:func:`measure_compression_s`'s ``per_payload_s``), timed on the
@@ -1195,8 +1199,12 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
 
     * ``hierarchy="allgather"``: the exchange decodes the gathered ``[n, P]`` buffer with
       ``codec.decode_sum`` (:func:`hgsgc.compression.kernels.decode_accumulate`, one pass per
-      row), so one more rank is one more row: timed here as ``decode_sum`` of one ``[1, P]`` row
-      holding every tensor's payload (one op per tensor). Up to session 13 this was timed as
+      row), so one more rank is one more row: timed here as ``decode_sum`` (one op per tensor) of
+      ``[1, P]`` and of ``[R, P]`` (``R`` = :data:`PER_PAYLOAD_ROWS`) buffers, row ``r`` holding
+      the payloads of every tensor rolled by ``r / R`` of its length (other entries, as other
+      ranks'), ``(t_R - t_1) / (R - 1)`` (at least 0), so that the output's allocation and
+      zeroing, once per exchange, stays out of the per-row figure (session 14, ``alexnet_small``'s
+      shapes at 1 % density: 0.67 ms for 1 row, about 0.12 ms per further row up to 33). Up to session 13 this was timed as
       ``codec.decode`` + ``tf.scatter_nd`` in pure TF (about 20 ops per tensor), which the
       exchange does not run: 3.8-4.5 ms against 0.67-0.71 ms for ``alexnet_small``'s shapes at
       1 % density (session 14), and most of ``layout: auto``'s compression start-up was tracing it.
@@ -1224,35 +1232,51 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
         # the fused kernel's bytes are codec.encode's (one op instead of ~20 run eagerly)
         payload, q = kernels.sparse_encode(idx, vals, numel, comp.bits, index_coding=comp.index_coding)
         items.append((payload, idx, q, numel, k))
+    def rolled_payload(t, numel, k, shift):
+        """The payload of ``t`` rolled by ``shift`` entries: other indices, as another rank's."""
+        pidx, pvals = exact_topk(tf.roll(tf.reshape(t, [-1]), shift, 0), k)
+        return kernels.sparse_encode(pidx, pvals, numel, comp.bits, index_coding=comp.index_coding)[0]
+
     if comp.hierarchy == "allgather" and hasattr(cd, "decode_sum"):
-        row = tf.reshape(tf.concat([it[0] for it in items], 0), [1, -1])
+        # row r: every tensor rolled by r / R of its length, so each row selects other entries
+        # (the payload length depends on numel and k only)
+        rows = [tf.concat([it[0] if r == 0 else rolled_payload(t, it[3], it[4], r * it[3] // PER_PAYLOAD_ROWS)
+                           for t, it in zip(tensors, items)], 0) for r in range(PER_PAYLOAD_ROWS)]
 
-        @tf.function(autograph=False)  # plain Python loops: nothing for autograph to convert
-        def one_more():
-            out, off = [], 0
-            for payload, _, _, numel, _ in items:
-                out.append(tf.reduce_sum(cd.decode_sum(row, numel, off)))
-                off += int(payload.shape[0])
-            return tf.add_n(out)
-    else:
-        from hgsgc import hierarchy
+        def rows_graph(r):
+            gathered = tf.stack(rows[:r])  # the buffers of r ranks
 
-        # the partner's payload: the same tensor rolled by half its length, so its k indices
-        # differ from this rank's and the union has up to 2 k entries, as between two ranks
-        partners = []
-        for t, (_, idx, q, numel, k) in zip(tensors, items):
-            pidx, pvals = exact_topk(tf.roll(tf.reshape(t, [-1]), numel // 2 + 1, 0), k)
-            partners.append((kernels.sparse_encode(pidx, pvals, numel, comp.bits, index_coding=comp.index_coding)[0],
-                             idx, q, numel, k))
+            @tf.function(autograph=False)  # plain Python loops: nothing for autograph to convert
+            def decode():
+                out, off = [], 0
+                for payload, _, _, numel, _ in items:
+                    out.append(tf.reduce_sum(cd.decode_sum(gathered, numel, off)))
+                    off += int(payload.shape[0])
+                return tf.add_n(out)
+            return decode
 
-        @tf.function(autograph=False)  # plain Python loops: nothing for autograph to convert
-        def one_more():
-            out = []
-            for payload, idx, q, numel, k in partners:
-                got = codec.decode(payload, numel, k, comp.bits, comp.index_coding)
-                merged = hierarchy.merge([(idx, q), got], k, numel, comp.bits, comp.index_coding)
-                out.append(tf.reduce_sum(merged[2]) + tf.cast(tf.reduce_sum(merged[0]), tf.float32))
-            return tf.add_n(out)
+        # the slope between 1 and PER_PAYLOAD_ROWS rows: what a row adds, without the output's
+        # allocation and zeroing (once per exchange, whatever n: in base_s)
+        one, many = rows_graph(1), rows_graph(PER_PAYLOAD_ROWS)
+        t_one = _timed_median(lambda: one().numpy(), reps, clock=clock)
+        t_many = _timed_median(lambda: many().numpy(), reps, clock=clock)
+        return max(0.0, (t_many - t_one) / (PER_PAYLOAD_ROWS - 1))
+    # tree / node
+    from hgsgc import hierarchy
+
+    # the partner's payload: the same tensor rolled by half its length, so its k indices
+    # differ from this rank's and the union has up to 2 k entries, as between two ranks
+    partners = [(rolled_payload(t, numel, k, numel // 2 + 1), idx, q, numel, k)
+                for t, (_, idx, q, numel, k) in zip(tensors, items)]
+
+    @tf.function(autograph=False)  # plain Python loops: nothing for autograph to convert
+    def one_more():
+        out = []
+        for payload, idx, q, numel, k in partners:
+            got = codec.decode(payload, numel, k, comp.bits, comp.index_coding)
+            merged = hierarchy.merge([(idx, q), got], k, numel, comp.bits, comp.index_coding)
+            out.append(tf.reduce_sum(merged[2]) + tf.cast(tf.reduce_sum(merged[0]), tf.float32))
+        return tf.add_n(out)
 
     return _timed_median(lambda: one_more().numpy(), reps, clock=clock)
 

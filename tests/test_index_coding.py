@@ -342,4 +342,5 @@ def test_the_planner_measures_the_decode_of_the_coding_it_plans(monkeypatch, hie
     monkeypatch.setattr(mod, name, spy)
     out = perfmodel.measure_compression_s(Compression.sgc(0.05, index_coding=EF, hierarchy=hierarchy),
                                           [(40, 30), (90, 7)], reps=1)
-    assert out["per_payload_s"] > 0 and seen and set(seen) == {EF}
+    # the allgather's figure is a slope between two timings of tiny tensors here: 0 when noise wins
+    assert out["per_payload_s"] >= 0 and seen and set(seen) == {EF}

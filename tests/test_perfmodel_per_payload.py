@@ -1,7 +1,8 @@
 """perfmodel.measure_compression_s's ``per_payload_s`` (session 14): what one more rank's payload
 costs a sparse exchange, timed on the path the exchange runs. With the allgather that is one more
 row of the fused decode-and-add kernel (``codec.decode_sum`` -> ``kernels.decode_accumulate``), one
-call per tensor on one ``[1, P]`` row holding every tensor's payload at its byte offset; with the
+call per tensor on ``[1, P]`` and ``[R, P]`` buffers holding every tensor's payload at its byte
+offset, the slope between the two; with the
 tree, one decode and one two-part ``hierarchy.merge`` per tensor."""
 import numpy as np
 import pytest
@@ -35,11 +36,12 @@ def test_allgather_per_payload_is_one_kernel_row_per_tensor(monkeypatch, coding)
     ks = [num_selected(m, 0.05) for m in numels]
     lens = [wire.payload_length(m, k, 2, coding) for m, k in zip(numels, ks)]
     offsets = list(np.cumsum([0] + lens[:-1]))
-    # the one-rank exchange (base) runs its own decode_sum calls first; the per-payload graph's
-    # calls are the last len(SHAPES), traced once
-    mine = calls[-len(SHAPES):]
-    assert mine == [((1, sum(lens)), m, k, 2, int(o), coding, 1) for m, k, o in zip(numels, ks, offsets)]
-    assert out["per_payload_s"] > 0 and pure_tf == []  # no pure-TF decode on the allgather's path
+    # the one-rank exchange (base) runs its own decode_sum calls first; the per-payload graphs'
+    # calls are the last 2 len(SHAPES): 1 row, then PER_PAYLOAD_ROWS rows, each traced once
+    mine = calls[-2 * len(SHAPES):]
+    assert mine == [((r, sum(lens)), m, k, 2, int(o), coding, 1)
+                    for r in (1, perfmodel.PER_PAYLOAD_ROWS) for m, k, o in zip(numels, ks, offsets)]
+    assert out["per_payload_s"] >= 0 and pure_tf == []  # no pure-TF decode on the allgather's path
 
 
 def test_tree_per_payload_is_one_two_part_merge_per_tensor(monkeypatch):
@@ -60,10 +62,13 @@ def test_tree_per_payload_is_one_two_part_merge_per_tensor(monkeypatch):
     assert out["per_payload_s"] > 0
 
 
-def test_per_payload_is_the_median_of_the_timed_calls():
-    """Both figures come from the clock: every timed call here lasts exactly 1 tick of a counter
-    clock, so the medians are exactly 1.0 (the wiring, not the machine)."""
-    ticks = iter(range(10_000))
-    out = perfmodel.measure_compression_s(Compression.sgc(0.05, bits=2), SHAPES, reps=3,
-                                          clock=lambda: float(next(ticks)))
-    assert out == {"base_s": 1.0, "per_payload_s": 1.0}
+@pytest.mark.parametrize("t_one, t_many, want", [(2.0e-3, 6.0e-3, 0.5e-3), (3.0e-3, 2.5e-3, 0.0)])
+def test_allgather_per_payload_is_the_slope_between_1_and_R_rows(monkeypatch, t_one, t_many, want):
+    """per_payload_s = (t_R - t_1) / (R - 1) of the medians of the 1-row and R-row timings (the
+    output's allocation, once per exchange, cancels), never below 0 (noise): the medians come
+    from ``_timed_median`` in the order base, 1 row, R rows."""
+    got = iter([7.0e-3, t_one, t_many])
+    monkeypatch.setattr(perfmodel, "_timed_median", lambda fn, reps, clock=None: (fn(), next(got))[1])
+    out = perfmodel.measure_compression_s(Compression.sgc(0.05, bits=2), SHAPES, reps=3)
+    assert perfmodel.PER_PAYLOAD_ROWS == 9
+    assert out == {"base_s": 7.0e-3, "per_payload_s": want}
