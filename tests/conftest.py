@@ -76,15 +76,17 @@ def run_mpi():
 # the cases after it fail their tests, naming the case and showing the output.
 
 
-def mpi_cases(script, *args, ranks, timeout=300, tmp=None, dynamic=False):
+def mpi_cases(script, *args, ranks, timeout=300, tmp=None, dynamic=False, own_horovod=False):
     """Cases for ``MPI_CASES``: ``script`` (path from the repository root) with ``args`` under
     mpirun with each rank count in ``ranks``. ``timeout``: seconds for this case alone. ``tmp``:
     the case gets a fresh directory in place of ``"{tmp}"`` in ``args``; a callable is called with
     that directory (a ``pathlib.Path``) before the launch. ``dynamic``: the script calls
     ``hvd.init(process_sets="dynamic")``; such cases run in their own launch, which starts Horovod
-    that way."""
-    return [dict(np=np_, script=script, args=tuple(args), timeout=timeout, tmp=tmp, dynamic=dynamic)
-            for np_ in ranks]
+    that way. ``own_horovod``: the script shuts the launch's Horovod down and starts its own (the
+    Hourglass ``Layout``, static process sets); such cases run after every other case of the
+    launch, so no other case meets their Horovod."""
+    return [dict(np=np_, script=script, args=tuple(args), timeout=timeout, tmp=tmp, dynamic=dynamic,
+                 own_horovod=own_horovod) for np_ in ranks]
 
 
 def _case_key(script, args):
@@ -107,7 +109,7 @@ class MpiBatch:
                 if c["np"] == np_ and c["dynamic"] == dynamic and key not in seen:
                     seen.add(key)
                     cases.append(c)
-        return cases
+        return sorted(cases, key=lambda c: c.get("own_horovod", False))  # stable: theirs last
 
     def _run(self, np_, dynamic):
         import json

@@ -1,7 +1,7 @@
 """Hourglass layout: roles, model split, cost model (single process) and the step under mpirun.
 
-Multi-rank checks: ONE mpirun launch per rank count (2, 3, 4, 5) runs tests/mpi/check_hourglass.py,
-rank 0 prints a RESULT JSON line and the tests below assert on it; bad layouts are three more
+Multi-rank checks: tests/mpi/check_hourglass.py runs once per rank count (2, 3, 4, 5) in the suite's batched launch
+of that count (after its other cases), rank 0 prints a RESULT JSON line and the tests below assert on it; bad layouts are three more
 short launches (tests/mpi/hourglass_bad_layout.py).
 """
 import json
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import reference as ref
+from conftest import mpi_cases
 from hgsgc.hourglass.costmodel import CostInputs, choose_fc_workers, exchange_bytes, layout_inputs, stage_times
 from hgsgc.hourglass.layout import LayoutError, check_fc_workers, plan_layout
 
@@ -221,13 +222,16 @@ def test_hourglass_configs():
 
 # ------------------------------------------------------------------------------------------
 # under mpirun
-@pytest.fixture(scope="module", params=[2, 3, 4, 5])
-def result(request, tmp_path_factory):
-    from conftest import mpi_result
+# one case per rank count in the batched launch (tests/conftest.py, ``mpi_batch``), after the
+# launch's other cases: the Layout starts its own Horovod (session 14: 4 launches fewer)
+MPI_CASES = mpi_cases("tests/mpi/check_hourglass.py", "{tmp}", ranks=[2, 3, 4, 5], timeout=600, tmp=True,
+                      own_horovod=True)
 
-    run_dir = str(tmp_path_factory.mktemp("hg_runs"))
-    out = mpi_result(request.param, ["tests/mpi/check_hourglass.py", run_dir])
-    out["run_dir"] = run_dir
+
+@pytest.fixture(scope="module", params=[2, 3, 4, 5])
+def result(request, mpi_batch):
+    out = dict(mpi_batch.result(request.param, "tests/mpi/check_hourglass.py", "{tmp}"))
+    out["run_dir"] = mpi_batch.tmpdir(request.param, "tests/mpi/check_hourglass.py", "{tmp}")
     return out
 
 

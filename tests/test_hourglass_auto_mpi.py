@@ -1,5 +1,5 @@
 """fc_workers: auto and layout: auto share ONE link probe (hgsgc.hourglass.costmodel.link_inputs):
-under mpirun with 2, 3 and 4 ranks (tests/mpi/check_hourglass_auto.py, one launch per rank count)
+under mpirun with 2, 3 and 4 ranks (tests/mpi/check_hourglass_auto.py, in the batched launch of each rank count)
 the probe is run, reported identically on every rank, fed to the model, and the choice follows
 hgsgc.perfmodel.predict_hourglass on the fixed inputs of the script; the config value
 hourglass.link_bandwidth_mbps is only an explicit override (no probe)."""
@@ -8,16 +8,20 @@ import os
 
 import pytest
 
+from conftest import mpi_cases
 from hgsgc.hourglass.costmodel import CostInputs, stage_times
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def result(request, tmp_path_factory):
-    from conftest import mpi_result
+# one case per rank count in the batched launch, after its other cases (the Layout starts its
+# own Horovod; session 14: 3 launches fewer)
+MPI_CASES = mpi_cases("tests/mpi/check_hourglass_auto.py", "{tmp}", ranks=[2, 3, 4], timeout=600, tmp=True,
+                      own_horovod=True)
 
-    out = tmp_path_factory.mktemp(f"auto{request.param}")
-    res = mpi_result(request.param, ["tests/mpi/check_hourglass_auto.py", str(out)], timeout=600)
-    res["out_dir"] = str(out)
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def result(request, mpi_batch):
+    res = dict(mpi_batch.result(request.param, "tests/mpi/check_hourglass_auto.py", "{tmp}"))
+    res["out_dir"] = mpi_batch.tmpdir(request.param, "tests/mpi/check_hourglass_auto.py", "{tmp}")
     return res
 
 

@@ -12,7 +12,8 @@ Rank 0 prints, per case, ``CASE <key> RESULT {json}`` (the script's own ``RESULT
 (the remaining cases report nothing; an error on one rank must not leave the others waiting); a
 case that runs past its timeout ends the job the same way, naming the case (``CASE <key>
 TIMEOUT``). Between cases the Keras session, the mixed-precision policy and the environment
-variables are reset; with
+variables are reset; MPI is started by mpi4py before Horovod (a Layout's Horovod shutdown leaves
+it running, as in a launch of that script alone); with
 ``--dynamic`` Horovod starts with dynamic process sets (what the brk11 scripts ask for) and every
 process set a case added is removed after it.
 """
@@ -83,6 +84,11 @@ def main():
     if dynamic:
         args = args[1:]
     cases = json.loads(args[0])
+    # MPI started by mpi4py, as in a launch of one check script (they import it before Horovod):
+    # then Horovod does not own MPI and its shutdown does not finalize it, so a case whose
+    # Hourglass Layout shuts the launch's Horovod down and starts its own (``own_horovod`` cases,
+    # run last) keeps MPI, as it does alone
+    from mpi4py import MPI  # noqa: F401
     if dynamic:
         hvd.init(process_sets="dynamic")
     else:
