@@ -40,7 +40,33 @@ def mpirun(np_, args, timeout=300, env=None):
     for k in (env or {}):
         cmd += ["-x", k]
     cmd += [PY] + list(args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    # its own process group: on a timeout the whole job goes, ranks included (subprocess.run
+    # would SIGKILL mpirun alone, and its ranks went on, orphaned, burning CPU for the rest of
+    # the suite: one 3-rank check_state9.py rank ran 27 min after its test's timeout, session 14)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _end_group(p)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _end_group(p, grace_s=10):
+    """SIGTERM to ``p``'s process group (mpirun forwards it to its ranks), SIGKILL to the group
+    after ``grace_s`` seconds; returns ``p``'s output ``(stdout, stderr)``."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return p.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def mpi_result(np_, args, timeout=400):
