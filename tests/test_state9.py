@@ -21,8 +21,6 @@ same list to the same Exchanger, then the same legacy SGD update; DGC through th
 momentum in the tape's velocity and applies with momentum 0, exactly what the optimizer path
 does internally), and count the same bytes.
 """
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -68,39 +66,34 @@ def _result(np_, args, timeout=400):
     return out
 
 
-def _full_args(np_):
-    return ("full", "{tmp}", str(K), str(M), ",".join(CASES[np_]))
+# the 2-rank entry-point check runs in the suite's batched launch of 2 ranks (tests/conftest.py,
+# ``mpi_batch``; session 14). The resume check's ``full`` runs keep launches of their own: in the
+# batched launch, after the other cases, EF-SignSGD's ``full`` run was not bit-exact with its resume
+# in a fresh process (a case before it leaves process state that changes the arithmetic; not
+# pinned down), and "bit-exact in a fresh process" is what this module checks
+MPI_CASES = mpi_cases("tests/mpi/check_entry9.py", ranks=[2], timeout=400)
 
 
-# ``full`` runs in the suite's batched launch of its rank count (tests/conftest.py, ``mpi_batch``);
-# ``resume`` must be a fresh process, so it stays a launch of its own (session 14, suite time)
-MPI_CASES = ([c for n in (2, 3) for c in mpi_cases("tests/mpi/check_state9.py", *_full_args(n), ranks=[n],
-                                                    timeout=400, tmp=True)]
-             + mpi_cases("tests/mpi/check_entry9.py", ranks=[2], timeout=400))
-
-
-def _state_runs(np_, mpi_batch):
-    """``full`` (in the batched launch) then ``resume`` (a fresh mpirun job) of the cases of
-    ``np_`` ranks (cached per rank count)."""
+def _state_runs(np_, tmp_path_factory):
+    """``full`` then ``resume`` of the cases of ``np_`` ranks (cached per rank count)."""
     if np_ not in _RUNS:
-        res = mpi_batch.result(np_, "tests/mpi/check_state9.py", *_full_args(np_))
-        assert res["mode"] == "full" and res["cases"] == CASES[np_]
-        out = mpi_batch.tmpdir(np_, "tests/mpi/check_state9.py", *_full_args(np_))
-        res = _result(np_, ["tests/mpi/check_state9.py", "resume", str(out), str(K), str(M),
-                            ",".join(CASES[np_])], timeout=400)
-        assert res["mode"] == "resume" and res["cases"] == CASES[np_]
-        _RUNS[np_] = pathlib.Path(out)
+        out = tmp_path_factory.mktemp(f"state9_{np_}")
+        for mode in ("full", "resume"):
+            res = _result(np_, ["tests/mpi/check_state9.py", mode, str(out), str(K), str(M),
+                                   ",".join(CASES[np_])], timeout=400)
+            assert res["mode"] == mode and res["cases"] == CASES[np_]
+        _RUNS[np_] = out
     return _RUNS[np_]
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3])
-def test_every_compressor_resumes_bit_exact_in_a_fresh_process(np_, mpi_batch):
+def test_every_compressor_resumes_bit_exact_in_a_fresh_process(np_, tmp_path_factory):
     """K = 6 steps, checkpoint, M = 4 steps in the same process vs. restore checkpoint 6 in a
     new mpirun job and take the same 4 steps: every leaf of every rank's final state (weights,
     Keras slots and iterations, hgsgc state tree, the skipped-step and byte counters the
     process reports) is equal byte for byte, for every compressor."""
-    out = _state_runs(np_, mpi_batch)
+    out = _state_runs(np_, tmp_path_factory)
     bad = {}
     for case in CASES[np_]:
         keys = EXPECT[case]
@@ -125,11 +118,11 @@ def test_every_compressor_resumes_bit_exact_in_a_fresh_process(np_, mpi_batch):
 
 
 @pytest.mark.mpi
-def test_state_at_the_checkpoint_is_what_the_next_steps_need(mpi_batch):
+def test_state_at_the_checkpoint_is_what_the_next_steps_need(tmp_path_factory):
     """Mid-delay and mid-warm-up checkpoints hold the in-between state: local step 6 of delay 4
     (two local steps after the sync of step 4, anchors != weights), the learning-rate
     schedule's iteration 6 of 8, TernGrad's random-number step, one skipped NaN step."""
-    out = _state_runs(2, mpi_batch)
+    out = _state_runs(2, tmp_path_factory)
     p = ckpt.step_dir(str(out / "full" / "sgc_delay4_lr_warmup"), K)
     st = ckpt.load_rank(p, ckpt.read_manifest(p), 0)
     hs = st["optimizer"]["hgsgc"]

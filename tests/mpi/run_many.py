@@ -11,8 +11,8 @@ Rank 0 prints, per case, ``CASE <key> RESULT {json}`` (the script's own ``RESULT
 ``CASE <key> ERROR <traceback>``. A case that raises on any rank ends the whole job with exit 1
 (the remaining cases report nothing; an error on one rank must not leave the others waiting); a
 case that runs past its timeout ends the job the same way, naming the case (``CASE <key>
-TIMEOUT``). Between cases the Keras session, the mixed-precision policy and the environment
-variables are reset; MPI is started by mpi4py before Horovod (a Layout's Horovod shutdown leaves
+TIMEOUT``). Between cases the Keras session, the mixed-precision policy, grappler's options and
+the environment variables are reset; MPI is started by mpi4py before Horovod (a Layout's Horovod shutdown leaves
 it running, as in a launch of that script alone); with
 ``--dynamic`` Horovod starts with dynamic process sets (what the brk11 scripts ask for) and every
 process set a case added is removed after it.
@@ -96,6 +96,10 @@ def main():
     from horovod.common import process_sets as hps
 
     real_out = sys.stdout
+    # grappler's options are process-wide: check_hierarchy.py turns the meta optimizer off, and the
+    # cases after it ran without grappler (session 14: check_state9.py's EF-SignSGD run then was not
+    # bit-exact with its resume in a fresh process); each case starts from the launch's options
+    grappler = tf.config.optimizer.get_experimental_options()
     for case in cases:
         key, argv = case["key"], list(case["argv"])
         script = argv[0] if os.path.isabs(argv[0]) else os.path.join(ROOT, argv[0])
@@ -125,6 +129,11 @@ def main():
             print(f"CASE {key} RESULT {tee.results[-1]}", flush=True)
         tf.keras.backend.clear_session()
         tf.keras.mixed_precision.set_global_policy("float32")
+        if tf.config.optimizer.get_experimental_options() != grappler:
+            tf.config.optimizer.set_experimental_options(
+                {**{k: not v if isinstance(v, bool) else v
+                    for k, v in tf.config.optimizer.get_experimental_options().items() if k not in grappler},
+                 **grappler})
         if dynamic:
             for pid in sorted(hps._basics._get_process_set_ids_and_ranks()):
                 if pid:
