@@ -356,7 +356,260 @@ def _hosts_by_hostname(world_ranks):  # pragma: no cover - fallback without mpi4
 
 
 # ------------------------------------------------------------------------------------------------
-# TensorFlow: the merge and the exchange.
+# TensorFlow: the merge and the exchange, batched over every tensor of the exchange.
+#
+# The exchange handles all its tensors at once: a tensor's entry ``i`` is the *global* index
+# ``base_t + i`` (``base_t`` the entries of the tensors before it, int64), so the concatenation
+# of the tensors' ascending index lists is one ascending list, and the payload of the exchange
+# (the tensors' payloads back to back, the wire format of :mod:`hgsgc.compression.wire`) is read
+# and written with one set of ops whatever the number of tensors: the fields' bit positions are
+# static (``_Layout``), the per-tensor top-k is one sort by (tensor, |sum| descending, index).
+# The arithmetic per entry is that of the per-tensor code (the same float32 operations on the
+# same operands, ties broken the same way), so the results are the same bit for bit; the graph
+# has ``O(rounds)`` ops instead of ``O(rounds x tensors)`` (docs/benchmarks.md, "The tree's
+# first step").
+
+
+class _Layout:
+    """Static positions of every field of an exchange's payload (numpy, built while tracing).
+
+    Args:
+        specs: per tensor ``(numel, k, payload bytes)``; bits: 2 or 32; coding: ``"fixed"`` or
+            ``"elias_fano"``.
+    """
+
+    def __init__(self, specs, bits: int, coding: str):
+        import numpy as np
+
+        from hgsgc.compression import wire
+
+        self.bits, self.coding = bits, coding
+        numel = np.array([s[0] for s in specs], np.int64)
+        k = np.array([s[1] for s in specs], np.int64)
+        p = np.array([s[2] for s in specs], np.int64)
+        T = len(specs)
+        self.T, self.K, self.P = T, int(k.sum()), int(p.sum())
+        self.numels = [int(x) for x in numel]
+        self.N = int(numel.sum())
+        self.base = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64)
+        self.k = k.astype(np.int32)
+        koff = np.concatenate([[0], np.cumsum(k)[:-1]])
+        boff = np.concatenate([[0], np.cumsum(p)[:-1]])
+        seg = np.repeat(np.arange(T), k)
+        j = np.arange(self.K) - koff[seg]                  # entry number inside its tensor
+        self.seg = seg.astype(np.int32)
+        self.j = j.astype(np.int32)
+        self.base_e = self.base[seg]
+        self.numel_e = numel[seg].astype(np.int32)
+        live = [t for t in range(T) if k[t] > 0]
+        self.live_e = np.searchsorted(live, seg).astype(np.int32)  # entry -> its tensor among live
+        idx_start = boff + (8 if bits == 2 else 0)          # byte where the index section starts
+        ibytes = np.array([wire.index_bytes(int(numel[t]), int(k[t]), coding) for t in range(T)],
+                          np.int64)
+        if coding == "fixed":
+            w = np.array([wire.index_width(int(x)) for x in numel], np.int64)
+            self.w_e = w[seg].astype(np.int32)
+            self.W = int(self.w_e.max()) if self.K else 1
+            self.idx_pos = (8 * idx_start[seg] + j * w[seg]).astype(np.int32)
+        else:
+            low = np.array([wire.ef_low_bits(int(numel[t]), int(k[t])) if k[t] else 0
+                            for t in range(T)], np.int64)
+            high = np.array([wire.ef_high_bits(int(numel[t]), int(k[t])) if k[t] else 0
+                             for t in range(T)], np.int64)
+            self.l_e = low[seg].astype(np.int32)
+            self.L = int(self.l_e.max()) if self.K else 0
+            self.low_pos = (8 * idx_start[seg] + j * low[seg]).astype(np.int32)
+            ustart = 8 * (idx_start + (k * low + 7) // 8)      # first bit of the unary part
+            self.ustart_e = ustart[seg].astype(np.int32)
+            # every unary bit of every tensor, concatenated: the bits read back
+            self.unary_bits = np.concatenate(
+                [np.arange(ustart[t], ustart[t] + high[t]) for t in range(T)] or [[]]
+            ).astype(np.int32)
+            ucum = np.concatenate([[0], np.cumsum(high)[:-1]])
+            self.ucum = ucum.astype(np.int32)                # start of tensor t in unary_bits
+            self.ucum_e = ucum[seg].astype(np.int32)
+            self.ucum_live = ucum[live].astype(np.int32)
+        val_start = idx_start + ibytes                        # codes (bits 2) or fp32 values
+        if bits == 2:
+            self.code_pos = (8 * val_start[seg] + 2 * j).astype(np.int32)
+            self.scale_bytes = (boff[live][:, None] + np.arange(8)).reshape(-1).astype(np.int32)
+        else:
+            self.value_bytes = (val_start[seg][:, None] + 4 * j[:, None]
+                                + np.arange(4)).reshape(-1).astype(np.int32)
+
+
+def _read_bits(bits, pos, width, W: int):
+    """Fields of ``width`` bits (int32 [F] or int, <= ``W``) at bit positions ``pos`` of the
+    bit stream ``bits`` (int32 [nbits], 0/1): int32 [F] (bit b of a field is stream bit
+    ``pos + b``, the layout of :func:`hgsgc.ops.pack_bits`)."""
+    import tensorflow as tf
+
+    nbits = int(bits.shape[0])
+    b = tf.range(W, dtype=tf.int32)
+    at = tf.minimum(tf.constant(pos)[:, None] + b, nbits - 1)
+    got = tf.gather(bits, at)
+    if not isinstance(width, int):
+        got = got * tf.cast(b < tf.constant(width)[:, None], tf.int32)
+    return tf.reduce_sum(tf.bitwise.left_shift(got, b), 1)
+
+
+def _write(fields, byte_fields, P: int):
+    """A payload of ``P`` bytes from bit fields and whole bytes (none overlapping).
+
+    Args:
+        fields: ``(values int32 [F] in [0, 2^W), positions int32 [F] (bit of bit 0), W)``.
+        byte_fields: ``(bytes uint8 [B], byte positions int32 [B])``.
+    """
+    import tensorflow as tf
+
+    nbits = 8 * P
+    vals, where = [], []
+    for v, pos, W in fields:
+        b = tf.range(W, dtype=tf.int32)
+        vals.append(tf.reshape(tf.bitwise.bitwise_and(tf.bitwise.right_shift(v[:, None], b), 1),
+                               [-1]))
+        where.append(tf.reshape(tf.minimum(pos[:, None] + b, nbits - 1), [-1]))
+    out = tf.zeros([P], tf.int32)
+    if vals:
+        bits = tf.scatter_nd(tf.concat(where, 0)[:, None], tf.concat(vals, 0), [nbits])
+        out = tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [P, 8]),
+                                                  tf.range(8, dtype=tf.int32)), 1)
+    for byts, pos in byte_fields:
+        out = out + tf.scatter_nd(tf.constant(pos)[:, None], tf.cast(byts, tf.int32), [P])
+    return tf.cast(out, tf.uint8)
+
+
+def _encode_all(gidx, vals, lay: _Layout):
+    """Encode every tensor's kept entries: global indices int64 [K] (ascending, ``k_t`` per
+    tensor) and float32 values [K] -> ``(payload uint8 [P], decoded values float32 [K])``:
+    the bytes of :func:`hgsgc.compression.wire.encode` per tensor, back to back."""
+    import tensorflow as tf
+
+    from hgsgc.compression.wire import _f32_to_bytes
+
+    local = tf.cast(gidx - tf.constant(lay.base_e), tf.int32)
+    fields, byte_fields = [], []
+    if lay.coding == "fixed":
+        fields.append((local, tf.constant(lay.idx_pos), lay.W))
+    else:
+        lo_mask = tf.bitwise.left_shift(1, tf.constant(lay.l_e)) - 1
+        if lay.L > 0:
+            fields.append((tf.bitwise.bitwise_and(local, lo_mask), tf.constant(lay.low_pos), lay.L))
+        upos = (tf.constant(lay.ustart_e) + tf.bitwise.right_shift(local, tf.constant(lay.l_e))
+                + tf.constant(lay.j))
+        fields.append((tf.ones_like(local), upos, 1))
+    if lay.bits == 2:
+        seg = tf.constant(lay.seg)
+        mag = tf.abs(vals)
+        a = tf.math.unsorted_segment_min(mag, seg, lay.T)
+        b = tf.math.unsorted_segment_max(mag, seg, lay.T)
+        lo = a + (b - a) * 0.25                         # quantize.quantize_2bit, per tensor
+        hi = a + (b - a) * 0.75
+        ae, be = tf.gather(a, seg), tf.gather(b, seg)
+        upper = tf.cast(mag >= (ae + be) * 0.5, tf.int32)
+        neg = tf.cast(vals < 0, tf.int32)
+        codes = 2 * neg + upper
+        qmag = tf.where(tf.equal(codes % 2, 1), tf.gather(hi, seg), tf.gather(lo, seg))
+        q = tf.where(codes >= 2, -qmag, qmag)           # quantize.dequantize_2bit
+        fields.append((codes, tf.constant(lay.code_pos), 2))
+        live = sorted(set(lay.seg.tolist()))
+        scales = tf.gather(tf.stack([lo, hi], 1), live)
+        byte_fields.append((_f32_to_bytes(scales), lay.scale_bytes))
+    else:
+        q = vals
+        byte_fields.append((_f32_to_bytes(vals), lay.value_bytes))
+    return _write(fields, byte_fields, lay.P), q
+
+
+def _decode_all(payload, lay: _Layout, what: str):
+    """Inverse of :func:`_encode_all`: uint8 [P] -> ``(global indices int64 [K], values
+    float32 [K])`` (bits=2: dequantized), as :func:`hgsgc.compression.wire.decode` per tensor.
+
+    Raises:
+        tf.errors.InvalidArgumentError (when run): indices that are not strictly ascending in
+            ``[0, numel)`` inside a tensor, or an Elias-Fano high part whose set bits are not
+            ``k`` per tensor (a corrupt payload, or ranks with other compression settings).
+    """
+    import tensorflow as tf
+
+    from hgsgc.compression.wire import _bytes_to_f32
+
+    K, P = lay.K, lay.P
+    pb = tf.cast(payload, tf.int32)
+    bits = tf.reshape(tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(pb[:, None], tf.range(8, dtype=tf.int32)), 1), [8 * P])
+    checks = []
+    if lay.coding == "fixed":
+        local = _read_bits(bits, lay.idx_pos, lay.w_e, lay.W)
+    else:
+        ub = tf.gather(bits, tf.constant(lay.unary_bits))
+        setp = tf.cast(tf.where(tf.not_equal(ub, 0))[:, 0], tf.int32)
+        count = tf.debugging.Assert(tf.equal(tf.size(setp), K), [tf.strings.format(
+            f"hierarchy exchange: {what}the Elias-Fano high parts hold {{}} set bits, not the "
+            f"{K} of the k of its tensors (not an index_coding=elias_fano payload of these "
+            "tensors? every rank must use the same compression settings)", tf.size(setp))])
+        with tf.control_dependencies([count]):
+            setp = tf.reshape(setp, [K])
+        owner = tf.searchsorted(tf.constant(lay.ucum_live), setp, side="right",
+                                out_type=tf.int32) - 1
+        checks.append(tf.reduce_all(tf.equal(owner, tf.constant(lay.live_e))))
+        high = setp - tf.constant(lay.ucum_e) - tf.constant(lay.j)
+        local = tf.bitwise.left_shift(high, tf.constant(lay.l_e))
+        if lay.L > 0:
+            local = tf.bitwise.bitwise_or(local, _read_bits(bits, lay.low_pos, lay.l_e, lay.L))
+    first = tf.constant(lay.j == 0)
+    prev = tf.concat([[-1], local[:-1]], 0)
+    checks.append(tf.reduce_all(tf.logical_and(
+        local < tf.constant(lay.numel_e),
+        tf.logical_and(local >= 0, tf.logical_or(first, local > prev)))))
+    check = tf.debugging.Assert(tf.reduce_all(tf.stack(checks)), [
+        f"hierarchy exchange: {what}indices not strictly ascending in [0, numel) inside a tensor "
+        "(a corrupt payload, or ranks with other compression settings)"])
+    with tf.control_dependencies([check]):
+        gidx = tf.cast(local, tf.int64) + tf.constant(lay.base_e)
+    if lay.bits == 2:
+        sc = tf.reshape(_bytes_to_f32(tf.gather(payload, tf.constant(lay.scale_bytes))), [-1, 2])
+        codes = _read_bits(bits, lay.code_pos, 2, 2)
+        live = tf.constant(lay.live_e)
+        mag = tf.where(tf.equal(codes % 2, 1), tf.gather(sc[:, 1], live), tf.gather(sc[:, 0], live))
+        vals = tf.where(codes >= 2, -mag, mag)
+    else:
+        vals = _bytes_to_f32(tf.gather(payload, tf.constant(lay.value_bytes)))
+    return gidx, tf.reshape(vals, [K])
+
+
+def _merge_all(parts, lay: _Layout):
+    """:func:`merge` of every tensor at once; ``parts``: ``(global indices int64 [m_p] ascending,
+    values float32 [m_p])``. Returns the tuple of :func:`merge` in global indices."""
+    import tensorflow as tf
+
+    union = tf.unique(tf.sort(tf.concat([p[0] for p in parts], 0))).y
+    contribs = []
+    for idx, vals in parts:
+        pos = tf.searchsorted(idx, union, side="left", out_type=tf.int32)
+        pos = tf.minimum(pos, tf.size(idx) - 1)
+        present = tf.equal(tf.gather(idx, pos), union)
+        contribs.append(tf.where(present, tf.gather(vals, pos), tf.zeros_like(union, tf.float32)))
+    total = contribs[0]
+    for c in contribs[1:]:
+        total = total + c
+    # per tensor, the k largest |sum| (ties: the lower index), as sparsify.exact_topk: one
+    # descending sort by (tensor ascending, |sum| as its bit pattern, ties by position)
+    seg = tf.searchsorted(tf.constant(lay.base), union, side="right", out_type=tf.int32) - 1
+    mag = tf.cast(tf.bitcast(tf.abs(total), tf.int32), tf.int64)
+    key = tf.bitwise.left_shift(tf.cast(lay.T - 1 - seg, tf.int64), 32) + mag
+    size = tf.size(union)
+    order = tf.math.top_k(key, k=size, sorted=True).indices
+    start = tf.cumsum(tf.math.unsorted_segment_sum(tf.ones_like(seg), seg, lay.T), exclusive=True)
+    oseg = tf.gather(seg, order)
+    keep = tf.range(size) - tf.gather(start, oseg) < tf.gather(tf.constant(lay.k), oseg)
+    pos = tf.reshape(tf.sort(tf.boolean_mask(order, keep)), [lay.K])
+    new_idx = tf.gather(union, pos)
+    kept = tf.gather(total, pos)
+    payload, q = _encode_all(new_idx, kept, lay)
+    dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([lay.K], tf.bool),
+                                           tf.shape(union)[:1]))
+    return payload, new_idx, q, union, contribs, dropped, kept
 
 
 def merge(parts, k: int, numel: int, bits: int, index_coding: str = "fixed"):
@@ -374,25 +627,14 @@ def merge(parts, k: int, numel: int, bits: int, index_coding: str = "fixed"):
     """
     import tensorflow as tf
 
-    from hgsgc.compression import codec
-    from hgsgc.compression.sparsify import exact_topk
+    from hgsgc.compression import wire
 
-    union = tf.unique(tf.sort(tf.concat([p[0] for p in parts], 0))).y
-    contribs = []
-    for idx, vals in parts:
-        pos = tf.searchsorted(idx, union, side="left", out_type=tf.int32)
-        pos = tf.minimum(pos, tf.size(idx) - 1)
-        present = tf.equal(tf.gather(idx, pos), union)
-        contribs.append(tf.where(present, tf.gather(vals, pos), tf.zeros_like(union, tf.float32)))
-    total = contribs[0]
-    for c in contribs[1:]:
-        total = total + c
-    pos, kept = exact_topk(total, k)
-    new_idx = tf.gather(union, pos)
-    payload, q = codec.encode(new_idx, kept, numel, bits, index_coding)
-    dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([k], tf.bool),
-                                           tf.shape(union)[:1]))
-    return payload, new_idx, q, union, contribs, dropped, kept
+    lay = _Layout([(numel, k, wire.payload_length(numel, k, bits, index_coding))], bits,
+                  index_coding)
+    parts = [(tf.cast(i, tf.int64), tf.convert_to_tensor(v, tf.float32)) for i, v in parts]
+    payload, new_idx, q, union, contribs, dropped, kept = _merge_all(parts, lay)
+    return (payload, tf.cast(new_idx, tf.int32), q, tf.cast(union, tf.int32), contribs, dropped,
+            kept)
 
 
 def exchange(views, *, codec, ctx, plan: Plan):
@@ -422,26 +664,29 @@ def exchange(views, *, codec, ctx, plan: Plan):
 def _exchange(views, codec, ctx, plan):
     import tensorflow as tf
 
-    from hgsgc.compression import codec as wire
-
     bits = codec.bits
     coding = getattr(codec, "index_coding", "fixed")
     comm, uid, rank, n = ctx.comm, ctx.uid, ctx.comm.rank, ctx.comm.size
-    specs, aggs, payloads, local = [], [], [], []
+    specs, gidx, sent, payloads = [], [], [], []
     for a in views:
         numel = int(a.shape[0])
-        payload, idx, sent = codec.encode_sparse(a, ctx)
+        payload, idx, s = codec.encode_sparse(a, ctx)
         specs.append((numel, codec.k(numel), int(payload.shape[0])))
-        aggs.append((idx, sent))
+        gidx.append(idx)
+        sent.append(s)
         payloads.append(payload)
-        local.append((idx, sent))
-    P = sum(p for _, _, p in specs)
-    losses: List[List[tuple]] = [[] for _ in specs]
+    lay = _Layout(specs, bits, coding)
+    P = lay.P
+    # this rank's entries in global indices (int64 [K], ascending) and their decoded values
+    local = (tf.concat([tf.cast(i, tf.int64) + int(lay.base[t]) for t, i in enumerate(gidx)], 0),
+             tf.concat(sent, 0))
+    agg = local
+    payload = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
+    losses: List[tuple] = []
     prev = None
     for j in range(len(plan.rounds)):
         step = plan.step(j, rank)
-        buf = tf.concat(payloads, 0) if len(payloads) > 1 else payloads[0]
-        x = tf.tile(buf, [len(step.sends)]) if step.sends else buf[:0]
+        x = tf.tile(payload, [len(step.sends)]) if step.sends else payload[:0]
         if prev is not None:
             with tf.control_dependencies([prev]):
                 x = tf.identity(x)
@@ -453,36 +698,25 @@ def _exchange(views, codec, ctx, plan):
         if not step.recvs:
             continue
         got = tf.reshape(out, [len(step.recvs), P])
-        off = 0
-        for i, (numel, k, p) in enumerate(specs):
-            received = [wire.decode(got[s, off:off + p], numel, k, bits, coding)
-                        for s in range(len(step.recvs))]
-            if step.op == "adopt":
-                aggs[i] = received[0]
-                payloads[i] = got[0, off:off + p]
-            elif step.op == "merge":
-                parts = [aggs[i]] + received
-                pay, new_idx, q, union, contribs, dropped, kept = merge(parts, k, numel, bits, coding)
-                for c, absorb in zip(contribs, step.absorb):
-                    if absorb:
-                        losses[i].append((union, tf.where(dropped, c, tf.zeros_like(c))))
-                if step.absorb_requant and bits != 32:
-                    losses[i].append((new_idx, kept - q))
-                aggs[i] = (new_idx, q)
-                payloads[i] = pay
-            off += p
+        received = [_decode_all(got[s], lay, f"payload of rank {src} (round {j}): ")
+                    for s, src in enumerate(step.recvs)]
+        if step.op == "adopt":
+            agg = received[0]
+            payload = got[0]
+        elif step.op == "merge":
+            payload, new_idx, q, union, contribs, dropped, kept = _merge_all([agg] + received, lay)
+            for c, absorb in zip(contribs, step.absorb):
+                if absorb:
+                    losses.append((union, tf.where(dropped, c, tf.zeros_like(c))))
+            if step.absorb_requant and bits != 32:
+                losses.append((new_idx, kept - q))
+            agg = (new_idx, q)
     comm.count(payload_bytes=P, rounds=len(plan.rounds))
-    contributed = []
-    for i, (numel, k, p) in enumerate(specs):
-        idx, sent = local[i]
-        applied = tf.scatter_nd(idx[:, None], sent, [numel])
-        if losses[i]:
-            li = tf.concat([u for u, _ in losses[i]], 0)
-            lv = tf.concat([v for _, v in losses[i]], 0)
-            applied = applied - tf.scatter_nd(li[:, None], lv, [numel])
-        contributed.append(applied)
-    results = []
-    for (numel, k, p), (idx, vals) in zip(specs, aggs):
-        total = tf.scatter_nd(idx[:, None], vals, [numel])
-        results.append(total / float(n))
-    return results, contributed
+    N = lay.N
+    applied = tf.scatter_nd(local[0][:, None], local[1], [N])
+    if losses:
+        li = tf.concat([u for u, _ in losses], 0)
+        lv = tf.concat([v for _, v in losses], 0)
+        applied = applied - tf.scatter_nd(li[:, None], lv, [N])
+    total = tf.scatter_nd(agg[0][:, None], agg[1], [N]) / float(n)
+    return tf.split(total, lay.numels), tf.split(applied, lay.numels)
