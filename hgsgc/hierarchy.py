@@ -421,10 +421,15 @@ class _Layout:
             self.low_pos = (8 * idx_start[seg] + j * low[seg]).astype(np.int32)
             ustart = 8 * (idx_start + (k * low + 7) // 8)      # first bit of the unary part
             self.ustart_e = ustart[seg].astype(np.int32)
-            # every unary bit of every tensor, concatenated: the bits read back
-            self.unary_bits = np.concatenate(
-                [np.arange(ustart[t], ustart[t] + high[t]) for t in range(T)] or [[]]
+            # the bytes of every unary part (whole bytes: each starts on a byte boundary) and,
+            # in their bits, the H bits of each tensor (padding bits left out)
+            ub = (high + 7) // 8
+            self.unary_bytes = np.concatenate(
+                [np.arange(ustart[t] // 8, ustart[t] // 8 + ub[t]) for t in range(T)] or [[]]
             ).astype(np.int32)
+            ubcum = np.concatenate([[0], np.cumsum(ub)[:-1]])
+            self.unary_bits = np.concatenate(
+                [8 * ubcum[t] + np.arange(high[t]) for t in range(T)] or [[]]).astype(np.int32)
             ucum = np.concatenate([[0], np.cumsum(high)[:-1]])
             self.ucum = ucum.astype(np.int32)                # start of tensor t in unary_bits
             self.ucum_e = ucum[seg].astype(np.int32)
@@ -438,44 +443,64 @@ class _Layout:
                                 + np.arange(4)).reshape(-1).astype(np.int32)
 
 
-def _read_bits(bits, pos, width, W: int):
-    """Fields of ``width`` bits (int32 [F] or int, <= ``W``) at bit positions ``pos`` of the
-    bit stream ``bits`` (int32 [nbits], 0/1): int32 [F] (bit b of a field is stream bit
-    ``pos + b``, the layout of :func:`hgsgc.ops.pack_bits`)."""
+def _span(pos, W: int) -> int:
+    """Bytes a field of at most ``W`` bits starting at bit ``pos % 8`` of a byte can touch."""
+    import numpy as np
+
+    first = int(np.max(np.asarray(pos) % 8)) if np.size(pos) else 0
+    return (first + W + 7) // 8
+
+
+def _read_fields(payload64, pos, width, W: int):
+    """Fields of ``width`` bits (int32 [F] or int, <= ``W`` <= 32) at the static bit positions
+    ``pos`` (int32 [F]) of the payload (int64 [P], one byte each): int32 [F]. Bit ``b`` of a
+    field is bit ``pos + b`` of the stream, bit ``j`` of the stream bit ``j % 8`` of byte
+    ``j // 8`` (the layout of :func:`hgsgc.ops.pack_bits`)."""
+    import numpy as np
     import tensorflow as tf
 
-    nbits = int(bits.shape[0])
-    b = tf.range(W, dtype=tf.int32)
-    at = tf.minimum(tf.constant(pos)[:, None] + b, nbits - 1)
-    got = tf.gather(bits, at)
-    if not isinstance(width, int):
-        got = got * tf.cast(b < tf.constant(width)[:, None], tf.int32)
-    return tf.reduce_sum(tf.bitwise.left_shift(got, b), 1)
+    P = int(payload64.shape[0])
+    S = _span(pos, W)
+    at = np.minimum((np.asarray(pos) >> 3)[:, None] + np.arange(S), P - 1).astype(np.int32)
+    wide = tf.reduce_sum(tf.bitwise.left_shift(tf.gather(payload64, at),
+                                               tf.constant(8 * np.arange(S), tf.int64)), 1)
+    mask = (np.left_shift(np.int64(1), np.asarray(width, np.int64)) - 1).astype(np.int64)
+    val = tf.bitwise.bitwise_and(tf.bitwise.right_shift(wide, tf.constant(
+        (np.asarray(pos) & 7).astype(np.int64))), tf.constant(mask))
+    return tf.cast(val, tf.int32)
 
 
 def _write(fields, byte_fields, P: int):
-    """A payload of ``P`` bytes from bit fields and whole bytes (none overlapping).
+    """A payload of ``P`` bytes from bit fields and whole bytes (none overlapping; bits that no
+    field covers are 0).
 
     Args:
-        fields: ``(values int32 [F] in [0, 2^W), positions int32 [F] (bit of bit 0), W)``.
-        byte_fields: ``(bytes uint8 [B], byte positions int32 [B])``.
+        fields: ``(values int32 [F] in [0, 2^W), bit positions, W)``; positions are static (numpy
+            int32 [F]) or, for ``W == 1`` only, an int32 tensor.
+        byte_fields: ``(bytes uint8 [B], static byte positions int32 [B])``.
     """
+    import numpy as np
     import tensorflow as tf
 
-    nbits = 8 * P
-    vals, where = [], []
+    at, vals = [], []
     for v, pos, W in fields:
-        b = tf.range(W, dtype=tf.int32)
-        vals.append(tf.reshape(tf.bitwise.bitwise_and(tf.bitwise.right_shift(v[:, None], b), 1),
-                               [-1]))
-        where.append(tf.reshape(tf.minimum(pos[:, None] + b, nbits - 1), [-1]))
-    out = tf.zeros([P], tf.int32)
-    if vals:
-        bits = tf.scatter_nd(tf.concat(where, 0)[:, None], tf.concat(vals, 0), [nbits])
-        out = tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [P, 8]),
-                                                  tf.range(8, dtype=tf.int32)), 1)
+        if W == 1:   # one byte each, positions may be a tensor
+            at.append(tf.bitwise.right_shift(pos, 3))
+            vals.append(tf.bitwise.left_shift(v, tf.bitwise.bitwise_and(pos, 7)))
+            continue
+        S = _span(pos, W)
+        wide = tf.bitwise.left_shift(tf.cast(v, tf.int64),
+                                     tf.constant((np.asarray(pos) & 7).astype(np.int64)))
+        parts = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+            wide[:, None], tf.constant(8 * np.arange(S), tf.int64)), 255)
+        at.append(tf.constant(np.minimum((np.asarray(pos) >> 3)[:, None] + np.arange(S), P - 1)
+                              .reshape(-1).astype(np.int32)))
+        vals.append(tf.cast(tf.reshape(parts, [-1]), tf.int32))
     for byts, pos in byte_fields:
-        out = out + tf.scatter_nd(tf.constant(pos)[:, None], tf.cast(byts, tf.int32), [P])
+        at.append(tf.constant(pos))
+        vals.append(tf.cast(byts, tf.int32))
+    # disjoint bit fields: the sum of a byte's parts is their bitwise or
+    out = tf.scatter_nd(tf.concat(at, 0)[:, None], tf.concat(vals, 0), [P])
     return tf.cast(out, tf.uint8)
 
 
@@ -490,11 +515,11 @@ def _encode_all(gidx, vals, lay: _Layout):
     local = tf.cast(gidx - tf.constant(lay.base_e), tf.int32)
     fields, byte_fields = [], []
     if lay.coding == "fixed":
-        fields.append((local, tf.constant(lay.idx_pos), lay.W))
+        fields.append((local, lay.idx_pos, lay.W))
     else:
         lo_mask = tf.bitwise.left_shift(1, tf.constant(lay.l_e)) - 1
         if lay.L > 0:
-            fields.append((tf.bitwise.bitwise_and(local, lo_mask), tf.constant(lay.low_pos), lay.L))
+            fields.append((tf.bitwise.bitwise_and(local, lo_mask), lay.low_pos, lay.L))
         upos = (tf.constant(lay.ustart_e) + tf.bitwise.right_shift(local, tf.constant(lay.l_e))
                 + tf.constant(lay.j))
         fields.append((tf.ones_like(local), upos, 1))
@@ -511,7 +536,7 @@ def _encode_all(gidx, vals, lay: _Layout):
         codes = 2 * neg + upper
         qmag = tf.where(tf.equal(codes % 2, 1), tf.gather(hi, seg), tf.gather(lo, seg))
         q = tf.where(codes >= 2, -qmag, qmag)           # quantize.dequantize_2bit
-        fields.append((codes, tf.constant(lay.code_pos), 2))
+        fields.append((codes, lay.code_pos, 2))
         live = sorted(set(lay.seg.tolist()))
         scales = tf.gather(tf.stack([lo, hi], 1), live)
         byte_fields.append((_f32_to_bytes(scales), lay.scale_bytes))
@@ -535,14 +560,14 @@ def _decode_all(payload, lay: _Layout, what: str):
     from hgsgc.compression.wire import _bytes_to_f32
 
     K, P = lay.K, lay.P
-    pb = tf.cast(payload, tf.int32)
-    bits = tf.reshape(tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(pb[:, None], tf.range(8, dtype=tf.int32)), 1), [8 * P])
+    pb = tf.cast(payload, tf.int64)
     checks = []
     if lay.coding == "fixed":
-        local = _read_bits(bits, lay.idx_pos, lay.w_e, lay.W)
+        local = _read_fields(pb, lay.idx_pos, lay.w_e, lay.W)
     else:
-        ub = tf.gather(bits, tf.constant(lay.unary_bits))
+        ubytes = tf.cast(tf.gather(payload, tf.constant(lay.unary_bytes)), tf.int32)
+        ub = tf.gather(tf.reshape(tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+            ubytes[:, None], tf.range(8, dtype=tf.int32)), 1), [-1]), tf.constant(lay.unary_bits))
         setp = tf.cast(tf.where(tf.not_equal(ub, 0))[:, 0], tf.int32)
         count = tf.debugging.Assert(tf.equal(tf.size(setp), K), [tf.strings.format(
             f"hierarchy exchange: {what}the Elias-Fano high parts hold {{}} set bits, not the "
@@ -556,7 +581,7 @@ def _decode_all(payload, lay: _Layout, what: str):
         high = setp - tf.constant(lay.ucum_e) - tf.constant(lay.j)
         local = tf.bitwise.left_shift(high, tf.constant(lay.l_e))
         if lay.L > 0:
-            local = tf.bitwise.bitwise_or(local, _read_bits(bits, lay.low_pos, lay.l_e, lay.L))
+            local = tf.bitwise.bitwise_or(local, _read_fields(pb, lay.low_pos, lay.l_e, lay.L))
     first = tf.constant(lay.j == 0)
     prev = tf.concat([[-1], local[:-1]], 0)
     checks.append(tf.reduce_all(tf.logical_and(
@@ -569,7 +594,7 @@ def _decode_all(payload, lay: _Layout, what: str):
         gidx = tf.cast(local, tf.int64) + tf.constant(lay.base_e)
     if lay.bits == 2:
         sc = tf.reshape(_bytes_to_f32(tf.gather(payload, tf.constant(lay.scale_bytes))), [-1, 2])
-        codes = _read_bits(bits, lay.code_pos, 2, 2)
+        codes = _read_fields(pb, lay.code_pos, 2, 2)
         live = tf.constant(lay.live_e)
         mag = tf.where(tf.equal(codes % 2, 1), tf.gather(sc[:, 1], live), tf.gather(sc[:, 0], live))
         vals = tf.where(codes >= 2, -mag, mag)
