@@ -637,6 +637,22 @@ def _merge_all(parts, lay: _Layout):
     return payload, new_idx, q, union, contribs, dropped, kept
 
 
+def exchange_layout(specs, bits: int, index_coding: str = "fixed") -> _Layout:
+    """The static layout of an exchange's payload: ``specs`` per tensor ``(numel, k, payload
+    bytes)`` (:func:`hgsgc.compression.wire.payload_length`), ``bits`` 2 or 32, ``index_coding``
+    ``"fixed"`` or ``"elias_fano"``; what :func:`merge_received` takes."""
+    return _Layout(specs, bits, index_coding)
+
+
+def merge_received(agg, received, lay: _Layout):
+    """One merge of a round of the exchange, for every tensor at once: decode each received
+    payload (uint8 ``[lay.P]``, with the text its errors name: ``(payload, what)``) and merge
+    them with this rank's aggregate ``agg`` (global indices int64 ``[K]`` ascending, float32
+    values ``[K]``) in part order. Returns :func:`merge`'s tuple in global indices (payload
+    uint8 ``[lay.P]``). ``hgsgc.perfmodel`` times one call of it as the tree's per-payload cost."""
+    return _merge_all([agg] + [_decode_all(p, lay, what) for p, what in received], lay)
+
+
 def merge(parts, k: int, numel: int, bits: int, index_coding: str = "fixed"):
     """Merge partial aggregates of one tensor (see the module docstring).
 
@@ -723,13 +739,12 @@ def _exchange(views, codec, ctx, plan):
         if not step.recvs:
             continue
         got = tf.reshape(out, [len(step.recvs), P])
-        received = [_decode_all(got[s], lay, f"payload of rank {src} (round {j}): ")
-                    for s, src in enumerate(step.recvs)]
         if step.op == "adopt":
-            agg = received[0]
+            agg = _decode_all(got[0], lay, f"payload of rank {step.recvs[0]} (round {j}): ")
             payload = got[0]
         elif step.op == "merge":
-            payload, new_idx, q, union, contribs, dropped, kept = _merge_all([agg] + received, lay)
+            payload, new_idx, q, union, contribs, dropped, kept = merge_received(
+                agg, [(got[s], f"payload of rank {src} (round {j}): ") for s, src in enumerate(step.recvs)], lay)
             for c, absorb in zip(contribs, step.absorb):
                 if absorb:
                     losses.append((union, tf.where(dropped, c, tf.zeros_like(c))))

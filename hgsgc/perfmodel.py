@@ -1208,10 +1208,11 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
       ``codec.decode`` + ``tf.scatter_nd`` in pure TF (about 20 ops per tensor), which the
       exchange does not run: 3.8-4.5 ms against 0.67-0.71 ms for ``alexnet_small``'s shapes at
       1 % density (session 14), and most of ``layout: auto``'s compression start-up was tracing it.
-    * ``"tree"`` / ``"node"``: one round of :func:`hgsgc.hierarchy.merge` as the exchange runs
-      it per tensor: decode the partner's payload (``codec.decode``) and merge it with this
-      rank's (union, sum, top-k, re-encode; :mod:`hgsgc.hierarchy`), the partner's payload being
-      the top-k of the tensor rolled by half its length (a union of up to ``2 k`` entries).
+    * ``"tree"`` / ``"node"``: one merge round as the exchange runs it
+      (:func:`hgsgc.hierarchy.merge_received`, every tensor at once since session 14): decode the
+      partner's payload and merge it with this rank's (union, sum, top-k, re-encode), the
+      partner's payload being the top-k of every tensor rolled by half its length (a union of up
+      to ``2 k`` entries).
 
     ``tensors``: float32 tensors (any shapes). The payloads are the exact top-k of each tensor at
     ``comp.density`` in ``comp.bits`` and ``comp.index_coding``; two warm-up calls, then ``reps``
@@ -1220,7 +1221,7 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
     import numpy as np
     import tensorflow as tf
 
-    from hgsgc.compression import codec, kernels
+    from hgsgc.compression import kernels
     from hgsgc.compression.sparsify import exact_topk, num_selected
 
     cd = comp.codec()
@@ -1261,22 +1262,22 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
         t_one = _timed_median(lambda: one().numpy(), reps, clock=clock)
         t_many = _timed_median(lambda: many().numpy(), reps, clock=clock)
         return max(0.0, (t_many - t_one) / (PER_PAYLOAD_ROWS - 1))
-    # tree / node
+    # tree / node: one merge round as the exchange runs it, every tensor at once
     from hgsgc import hierarchy
 
-    # the partner's payload: the same tensor rolled by half its length, so its k indices
-    # differ from this rank's and the union has up to 2 k entries, as between two ranks
-    partners = [(rolled_payload(t, numel, k, numel // 2 + 1), idx, q, numel, k)
-                for t, (_, idx, q, numel, k) in zip(tensors, items)]
+    lay = hierarchy.exchange_layout([(it[3], it[4], int(it[0].shape[0])) for it in items], comp.bits,
+                                    comp.index_coding)
+    base = np.concatenate([[0], np.cumsum([it[3] for it in items])[:-1]]).astype(np.int64)
+    # this rank's aggregate in global indices; the partner's payload: every tensor rolled by half
+    # its length, so its k indices differ from this rank's (a union of up to 2 k entries)
+    agg = (tf.concat([tf.cast(it[1], tf.int64) + int(b) for it, b in zip(items, base)], 0),
+           tf.concat([it[2] for it in items], 0))
+    partner = tf.concat([rolled_payload(t, it[3], it[4], it[3] // 2 + 1) for t, it in zip(tensors, items)], 0)
 
-    @tf.function(autograph=False)  # plain Python loops: nothing for autograph to convert
+    @tf.function(autograph=False)
     def one_more():
-        out = []
-        for payload, idx, q, numel, k in partners:
-            got = codec.decode(payload, numel, k, comp.bits, comp.index_coding)
-            merged = hierarchy.merge([(idx, q), got], k, numel, comp.bits, comp.index_coding)
-            out.append(tf.reduce_sum(merged[2]) + tf.cast(tf.reduce_sum(merged[0]), tf.float32))
-        return tf.add_n(out)
+        merged = hierarchy.merge_received(agg, [(partner, "")], lay)
+        return tf.reduce_sum(merged[2]) + tf.cast(tf.reduce_sum(merged[1]), tf.float32)
 
     return _timed_median(lambda: one_more().numpy(), reps, clock=clock)
 

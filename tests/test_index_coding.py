@@ -326,18 +326,26 @@ def test_elias_fano_training_is_bit_identical_on_every_rank(result):
 def test_the_planner_measures_the_decode_of_the_coding_it_plans(monkeypatch, hierarchy):
     """perfmodel.measure_compression_s (hgsgc plan's per-payload decode cost) decodes payloads
     in the setting's index coding, on the exchange's own path (since session 14): the
-    allgather's decode-and-add kernel, the tree's codec.decode before each merge."""
-    import hgsgc.compression.codec as codec_mod
+    allgather's decode-and-add kernel, the tree's merge round (hierarchy.merge_received)."""
     from hgsgc import perfmodel
 
     seen = []
-    name = "decode_accumulate" if hierarchy == "allgather" else "decode"
-    mod = kernels if hierarchy == "allgather" else codec_mod
-    real = getattr(mod, name)
+    if hierarchy == "allgather":
+        real = kernels.decode_accumulate
 
-    def spy(*a, **k):  # decode(payload, numel, k, bits, index_coding); decode_accumulate(..., index_coding=)
-        seen.append(k.get("index_coding", a[4] if hierarchy == "tree" and len(a) > 4 else "fixed"))
-        return real(*a, **k)
+        def spy(*a, **k):
+            seen.append(k.get("index_coding", "fixed"))
+            return real(*a, **k)
+        mod, name = kernels, "decode_accumulate"
+    else:
+        from hgsgc import hierarchy as hier
+
+        real = hier.merge_received
+
+        def spy(agg, received, lay):
+            seen.append(lay.coding)
+            return real(agg, received, lay)
+        mod, name = hier, "merge_received"
 
     monkeypatch.setattr(mod, name, spy)
     out = perfmodel.measure_compression_s(Compression.sgc(0.05, index_coding=EF, hierarchy=hierarchy),

@@ -3,7 +3,7 @@ costs a sparse exchange, timed on the path the exchange runs. With the allgather
 row of the fused decode-and-add kernel (``codec.decode_sum`` -> ``kernels.decode_accumulate``), one
 call per tensor on ``[1, P]`` and ``[R, P]`` buffers holding every tensor's payload at its byte
 offset, the slope between the two; with the
-tree, one decode and one two-part ``hierarchy.merge`` per tensor."""
+tree, one merge round of every tensor at once (``hierarchy.merge_received``)."""
 import numpy as np
 import pytest
 
@@ -44,21 +44,25 @@ def test_allgather_per_payload_is_one_kernel_row_per_tensor(monkeypatch, coding)
     assert out["per_payload_s"] >= 0 and pure_tf == []  # no pure-TF decode on the allgather's path
 
 
-def test_tree_per_payload_is_one_two_part_merge_per_tensor(monkeypatch):
+def test_tree_per_payload_is_one_merge_round_of_every_tensor(monkeypatch):
+    """One call of hierarchy.merge_received (traced once): this rank's aggregate of every tensor
+    (K = sum of k entries) and one received payload of P bytes (the formula), in the layout of
+    every tensor."""
     calls = []
-    real = hierarchy.merge
+    real = hierarchy.merge_received
 
-    def spy(parts, k, numel, bits, index_coding="fixed"):
-        r = real(parts, k, numel, bits, index_coding)
-        calls.append((len(parts), k, numel, bits, index_coding))
-        return r
+    def spy(agg, received, lay):
+        calls.append((int(agg[0].shape[0]), int(agg[1].shape[0]), [int(p.shape[0]) for p, _ in received],
+                      lay.T, lay.K, lay.P, lay.bits, lay.coding))
+        return real(agg, received, lay)
 
-    monkeypatch.setattr(hierarchy, "merge", spy)
+    monkeypatch.setattr(hierarchy, "merge_received", spy)
     comp = Compression.sgc(0.05, bits=2, index_coding="fixed", hierarchy="tree")
     out = perfmodel.measure_compression_s(comp, SHAPES, reps=1)
     numels = [int(np.prod(s)) for s in SHAPES]
     ks = [num_selected(m, 0.05) for m in numels]
-    assert calls == [(2, k, m, 2, "fixed") for m, k in zip(numels, ks)]
+    P = sum(wire.payload_length(m, k, 2, "fixed") for m, k in zip(numels, ks))
+    assert calls == [(sum(ks), sum(ks), [P], len(SHAPES), sum(ks), P, 2, "fixed")]
     assert out["per_payload_s"] > 0
 
 
