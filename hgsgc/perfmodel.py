@@ -1204,10 +1204,10 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
       the payloads of every tensor rolled by ``r / R`` of its length (other entries, as other
       ranks'), ``(t_R - t_1) / (R - 1)`` (at least 0), so that the output's allocation and
       zeroing, once per exchange, stays out of the per-row figure (session 14, ``alexnet_small``'s
-      shapes at 1 % density: 0.67 ms for 1 row, about 0.12 ms per further row up to 33). Up to session 13 this was timed as
-      ``codec.decode`` + ``tf.scatter_nd`` in pure TF (about 20 ops per tensor), which the
-      exchange does not run: 3.8-4.5 ms against 0.67-0.71 ms for ``alexnet_small``'s shapes at
-      1 % density (session 14), and most of ``layout: auto``'s compression start-up was tracing it.
+      shapes at 1 % density: 0.67 ms for 1 row, about 0.12 ms per further row up to 33). Up to
+      session 13 this was timed as ``codec.decode`` + ``tf.scatter_nd`` in pure TF (about 20 ops
+      per tensor), which the exchange does not run: 1.7-4.5 ms for the same payloads, and most
+      of ``layout: auto``'s compression start-up was tracing it.
     * ``"tree"`` / ``"node"``: one merge round as the exchange runs it
       (:func:`hgsgc.hierarchy.merge_received`, every tensor at once since session 14): decode the
       partner's payload and merge it with this rank's (union, sum, top-k, re-encode), the
@@ -1233,12 +1233,13 @@ def _measure_per_payload_s(comp, tensors, reps: int, clock=None) -> float:
         # the fused kernel's bytes are codec.encode's (one op instead of ~20 run eagerly)
         payload, q = kernels.sparse_encode(idx, vals, numel, comp.bits, index_coding=comp.index_coding)
         items.append((payload, idx, q, numel, k))
+
     def rolled_payload(t, numel, k, shift):
         """The payload of ``t`` rolled by ``shift`` entries: other indices, as another rank's."""
         pidx, pvals = exact_topk(tf.roll(tf.reshape(t, [-1]), shift, 0), k)
         return kernels.sparse_encode(pidx, pvals, numel, comp.bits, index_coding=comp.index_coding)[0]
 
-    if comp.hierarchy == "allgather" and hasattr(cd, "decode_sum"):
+    if comp.hierarchy == "allgather":  # TopKCodec: the exchange decodes with decode_sum
         # row r: every tensor rolled by r / R of its length, so each row selects other entries
         # (the payload length depends on numel and k only)
         rows = [tf.concat([it[0] if r == 0 else rolled_payload(t, it[3], it[4], r * it[3] // PER_PAYLOAD_ROWS)
