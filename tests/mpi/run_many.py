@@ -23,6 +23,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import traceback
 
 import tensorflow as tf
@@ -106,6 +107,7 @@ def main():
         done = threading.Event()
         threading.Thread(target=_watchdog, args=(key, float(case["timeout"]), done), daemon=True).start()
         tee = _Tee(real_out)
+        t0 = time.perf_counter()
         sys.argv = [script] + argv[1:]
         saved_path, saved_env = list(sys.path), dict(os.environ)
         sys.path.insert(0, os.path.dirname(script))
@@ -127,6 +129,8 @@ def main():
         done.set()
         if tee.results:
             print(f"CASE {key} RESULT {tee.results[-1]}", flush=True)
+        if hvd.rank() == 0:  # where a launch's time goes (the mpi_batch_np*.log in pytest's basetemp)
+            print(f"CASE {key} SECONDS {time.perf_counter() - t0:.1f}", flush=True)
         tf.keras.backend.clear_session()
         tf.keras.mixed_precision.set_global_policy("float32")
         if tf.config.optimizer.get_experimental_options() != grappler:
