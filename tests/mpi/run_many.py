@@ -89,7 +89,8 @@ def main():
     # then Horovod does not own MPI and its shutdown does not finalize it, so a case whose
     # Hourglass Layout shuts the launch's Horovod down and starts its own (``own_horovod`` cases,
     # run last) keeps MPI, as it does alone
-    from mpi4py import MPI  # noqa: F401
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()  # hvd.rank() raises once an own_horovod case shut Horovod down
     if dynamic:
         hvd.init(process_sets="dynamic")
     else:
@@ -117,7 +118,7 @@ def main():
         except BaseException as e:  # noqa: B036  (SystemExit 0 is a normal end)
             if not (isinstance(e, SystemExit) and e.code in (0, None)):
                 sys.stdout = real_out
-                print(f"CASE {key} ERROR (rank {hvd.rank()}) "
+                print(f"CASE {key} ERROR (rank {rank}) "
                       + traceback.format_exc().replace("\n", "\\n"), flush=True)
                 os._exit(1)
         finally:
@@ -129,7 +130,7 @@ def main():
         done.set()
         if tee.results:
             print(f"CASE {key} RESULT {tee.results[-1]}", flush=True)
-        if hvd.rank() == 0:  # where a launch's time goes (the mpi_batch_np*.log in pytest's basetemp)
+        if rank == 0:  # where a launch's time goes (the mpi_batch_np*.log in pytest's basetemp)
             print(f"CASE {key} SECONDS {time.perf_counter() - t0:.1f}", flush=True)
         tf.keras.backend.clear_session()
         tf.keras.mixed_precision.set_global_policy("float32")
