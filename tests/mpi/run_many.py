@@ -8,7 +8,8 @@ a launch costs every rank a TensorFlow + Horovod import (~6-7 s of CPU) and seve
 small checks cost more than the checks (tests/conftest.py, ``mpi_batch``).
 
 Rank 0 prints, per case, ``CASE <key> RESULT {json}`` (the script's own ``RESULT`` line) or
-``CASE <key> ERROR <traceback>``, then ``CASE <key> SECONDS <wall seconds of the case>``. A case that raises on any rank ends the whole job with exit 1
+``CASE <key> ERROR <traceback>``; after a case that ends normally, also ``CASE <key> SECONDS
+<wall seconds of the case>``. A case that raises on any rank ends the whole job with exit 1
 (the remaining cases report nothing; an error on one rank must not leave the others waiting); a
 case that runs past its timeout ends the job the same way, naming the case (``CASE <key>
 TIMEOUT``). Between cases the Keras session, the mixed-precision policy, grappler's options and
