@@ -8,11 +8,13 @@ JSON's auto cells, through ``--runs``), re-predicts every run from its recorded 
 :func:`hgsgc.perfmodel.choose_layout` (checked against the recorded predictions), and prints:
 
 * per input field: median, min, max and max/min over the runs (the fields that vary);
-* one-at-a-time sensitivity: for every ordered pair of runs (A, B) and every varying field, A's
-  inputs with that one field taken from B, re-predicted; the field's effect is the change of
-  each prediction (ms) against A's own, summarised as the median |change| over the pairs and its
-  share of the median |B - A| of the prediction (one field can exceed 100 %, the fields
-  interact through the pipeline schedule's max and the CPU share's max).
+* one-group-at-a-time sensitivity: for every ordered pair of runs (A, B) and every group of
+  fields one measurement yields (:data:`GROUPS`; e.g. ``fc_call_s`` and ``fc_row_s`` are one fit
+  of the same timings, so swapping one without the other would credit each with a spread the
+  pair does not have), A's inputs with that group taken from B, re-predicted; the group's
+  effect is the change of each prediction (ms) against A's own, summarised as the median
+  |change| over the pairs and its share of the median |B - A| of the prediction (a group can
+  exceed 100 %: groups interact through the pipeline schedule's max and the CPU share's max).
 
 The compression costs (``measured.compression_cost``) are fields too: ``cost.conv.base_s`` etc.,
 entering through :func:`hgsgc.perfmodel.with_role_compression` as in ``layout: auto``.
@@ -41,7 +43,37 @@ FIXED_FIELDS = {"world_size", "batch_size", "dp_payload", "conv_payload", "fc_pa
                 "conv_algorithm", "fc_algorithm", "delay", "fc_delay", "micro_batches", "cycle_s",
                 "machine_of", "dp_buckets", "conv_buckets", "fc_buckets", "bidir_factor",
                 # per-F values recomputed from the costs by with_role_compression
-                "conv_compression_s", "fc_compression_s"}
+                "conv_compression_s", "fc_compression_s", "dp_compression_s"}
+
+
+#: Fields one measurement yields together (:func:`hgsgc.hourglass.auto.choose`); a varying field
+#: outside these is a group of its own.
+GROUPS = {
+    "per-example compute (t_conv, t_fc)": ("t_conv", "t_fc"),
+    "trunk stages (conv_fwd_mb_s, conv_bwd_mb_s)": ("conv_fwd_mb_s", "conv_bwd_mb_s"),
+    "FC stage fit (fc_call_s, fc_row_s)": ("fc_call_s", "fc_row_s"),
+    "boundary (codec_s, boundary_msg_s)": ("codec_s", "boundary_msg_s"),
+    "link (alpha, beta)": ("alpha", "beta"),
+    "updates (t_update_conv, t_update_fc)": ("t_update_conv", "t_update_fc"),
+    "compression cost.dp": ("cost.dp.base_s", "cost.dp.per_payload_s"),
+    "compression cost.conv": ("cost.conv.base_s", "cost.conv.per_payload_s"),
+    "compression cost.fc": ("cost.fc.base_s", "cost.fc.per_payload_s", "cost.fc.alone_s"),
+}
+
+
+def groups_of(fields):
+    """``{group name: [fields]}`` for the varying ``fields``: :data:`GROUPS` (their varying
+    members), then each other field alone."""
+    out, seen = {}, set()
+    for name, members in GROUPS.items():
+        m = [f for f in members if f in fields]
+        if m:
+            out[name] = m
+            seen.update(m)
+    for f in fields:
+        if f not in seen:
+            out[f] = [f]
+    return out
 
 
 def load_choices(paths):
@@ -148,11 +180,12 @@ def analyse(choices) -> dict:
     total = {n: float(np.median([abs(preds[b][n] - preds[a][n]) for a, b in pairs])) if pairs else 0.0
              for n in names}
     effect = {}
-    for k in fields:
+    for k, members in groups_of(fields).items():
         ch = {n: [] for n in names}
         for a, b in pairs:
             y = copy.copy(xs[a])
-            y[k] = xs[b][k]
+            for f in members:
+                y[f] = xs[b][f]
             p = predict(y)
             for n in names:
                 ch[n].append(p[n] - preds[a][n])
@@ -171,12 +204,17 @@ def print_report(r: dict):
         print(f"{label} | " + " | ".join(f"{p[n]:.1f}" for n in names) + f" | {ch}")
     print("median |B - A| over run pairs, ms: " + ", ".join(f"{n} {v:.1f}" for n, v in
                                                              r["median_abs_pair_difference_ms"].items()))
-    print("\nfield | median | min | max | max/min | " + " | ".join(f"{n}: median |change| ms (share)" for n in names))
+    print("\nfield | median | min | max | max/min")
+    for k, s in r["spread"].items():
+        if "median" in s:
+            mo = "-" if s["max_over_min"] is None else f"{s['max_over_min']:.2f}"
+            print(f"{k} | {s['median']:.4g} | {s['min']:.4g} | {s['max']:.4g} | {mo}")
+        else:
+            print(f"{k} | {s['values']} | | |")
+    print("\ngroup swapped | " + " | ".join(f"{n}: median |change| ms (share)" for n in names))
     order = sorted(r["effect"], key=lambda k: -max(e["median_abs_ms"] for e in r["effect"][k].values()))
     for k in order:
-        s = r["spread"][k]
-        head = (f"{k} | {s['median']:.4g} | {s['min']:.4g} | {s['max']:.4g} | "
-                f"{s['max_over_min']:.2f}" if "median" in s else f"{k} | {s['values']} | | |")
+        head = k
         cells = []
         for n in names:
             e = r["effect"][k][n]

@@ -62,7 +62,7 @@ def test_one_varying_field_explains_the_whole_difference(tmp_path):
     assert list(r["spread"]) == ["boundary_msg_s"]
     s = r["spread"]["boundary_msg_s"]
     assert (s["min"], s["max"]) == (2e-3, 6e-3) and s["max_over_min"] == pytest.approx(3.0)
-    e = r["effect"]["boundary_msg_s"]
+    e = r["effect"]["boundary (codec_s, boundary_msg_s)"]
     hg = 1e3 * abs(pm.predict_hourglass(pm.with_role_compression(b, 1, COST["conv"], COST["fc"]), 1)["step_s"]
                    - pm.predict_hourglass(pm.with_role_compression(a, 1, COST["conv"], COST["fc"]), 1)["step_s"])
     assert hg > 0
@@ -81,10 +81,24 @@ def test_compression_cost_is_a_field(tmp_path):
     open(paths[1], "w").write(json.dumps(s))
     r = aps.analyse(aps.load_choices(paths))
     assert list(r["spread"]) == ["cost.fc.base_s"]
-    assert r["effect"]["cost.fc.base_s"]["data_parallel"]["median_abs_ms"] == 0.0
+    e = r["effect"]["compression cost.fc"]
+    assert e["data_parallel"]["median_abs_ms"] == 0.0
     # one FC rank runs no FC exchange (compression_at: alone_s for k = 1), two FC ranks do
-    assert r["effect"]["cost.fc.base_s"]["hourglass F=1"]["median_abs_ms"] == 0.0
-    assert r["effect"]["cost.fc.base_s"]["hourglass F=2"]["median_abs_ms"] > 0
+    assert e["hourglass F=1"]["median_abs_ms"] == 0.0
+    assert e["hourglass F=2"]["median_abs_ms"] > 0
+
+
+def test_a_fit_is_swapped_as_one_group(tmp_path):
+    """fc_call_s and fc_row_s of one fit move together: B's pair with the same t_K = fc_call_s +
+    3 x 16 fc_row_s (F = 1 on 4 ranks, M = 2 of 32) leaves the F = 1 prediction unchanged."""
+    a = _inputs(fc_call_s=3e-3, fc_row_s=4e-5, conv_fwd_mb_s=2e-3, conv_bwd_mb_s=3e-3)
+    b = _inputs(fc_call_s=3e-3 + 48 * 3e-5, fc_row_s=1e-5, conv_fwd_mb_s=2e-3, conv_bwd_mb_s=3e-3)
+    r = aps.analyse(aps.load_choices(_summaries(tmp_path, [a, b])))
+    assert sorted(r["spread"]) == ["fc_call_s", "fc_row_s"]
+    e = r["effect"]["FC stage fit (fc_call_s, fc_row_s)"]
+    assert e["hourglass F=1"]["median_abs_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert r["median_abs_pair_difference_ms"]["hourglass F=1"] == pytest.approx(0.0, abs=1e-9)
+    assert e["hourglass F=2"]["median_abs_ms"] > 0  # 2 FC ranks serve 2 CONV ranks each: another t_k
 
 
 def _choice_with_cost(inp, cost):
