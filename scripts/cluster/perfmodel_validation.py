@@ -74,6 +74,13 @@ fp16 cells of clean_2h re-run (``perfmodel_validation_s11_clean_fp16``), all wit
         --fp16-cast $C --before $B/perfmodel_validation_s11_before.json \
         --md $B/perfmodel_validation_s11.md --json $B/perfmodel_validation_s11.json
 
+Session 17: ResNet-20 on 2 pinned hosts (``resnet20_2h``, the grid's compute-heavy 2-host row, quiet;
+docs/benchmarks.md "Session 17"), session 11's probe and cast calibration::
+
+    B=docs/benchmarks; P=$B/link_calibration_pinned_s10.json; C=$B/perfmodel_validation_s11_fp16_cast.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/resnet20_2h.json=$P --fp16-cast $C \
+        --md $B/perfmodel_validation_s17_resnet20_2h.md --json $B/perfmodel_validation_s17_resnet20_2h.json
+
 A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
 hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
 
