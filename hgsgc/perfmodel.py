@@ -511,7 +511,13 @@ def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=
         ValueError: ``hourglass_only`` with no Hourglass candidate (``n < 2`` or not possible).
 
     Returns:
-        ``{"layout", "fc_workers", "inputs", "predictions": [...], "choice": the chosen prediction}``.
+        ``{"layout", "fc_workers", "inputs", "predictions": [...], "choice": the chosen prediction,
+        "runner_up": the next-fastest candidate's name ("data_parallel" or "hourglass F=k"; None with
+        one candidate), "margin": the choice's predicted throughput / the runner-up's - 1 (>= 0; None
+        with one candidate)}``. The margin says how close the call is: a margin smaller than the
+        spread of the predictions between launches of the same job (docs/hourglass.md, session 17:
+        1.6-1.9x on 4 ranks sharing 2 cores) is a tie, and either layout is then expected within
+        about that margin of the other.
     """
     preds = [predict_data_parallel(inp)]
     if hourglass_possible and inp.world_size >= 2:
@@ -524,8 +530,18 @@ def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=
     for p in candidates[1:]:
         if p["throughput"] > best["throughput"] * (1 + 1e-9):
             best = p
+    others = [p for p in candidates if p is not best]
+    second = max(others, key=lambda p: p["throughput"]) if others else None
+    margin = (best["throughput"] / second["throughput"] - 1.0 if second is not None and second["throughput"] > 0
+              else None)
     return {"layout": best["layout"], "fc_workers": best["fc_workers"], "inputs": inp.to_dict(),
-            "predictions": preds, "choice": best}
+            "predictions": preds, "choice": best, "runner_up": prediction_name(second) if second else None,
+            "margin": margin}
+
+
+def prediction_name(p: dict) -> str:
+    """``"data_parallel"`` or ``"hourglass F=k"``: a prediction of :func:`choose_layout`'s list."""
+    return "data_parallel" if p["layout"] == "data_parallel" else f"hourglass F={p['fc_workers']}"
 
 
 def format_layout_report(report: dict) -> str:
@@ -569,10 +585,14 @@ def format_layout_report(report: dict) -> str:
         lines.append(f"  {name}: step {p['step_s'] * 1e3:.2f} ms for {p['examples_per_step']} examples, "
                      f"{p['throughput']:.0f} examples/s ({parts}; CPU share {sh or '1'})")
     c = report["choice"]
+    m = report.get("margin")
+    why = (f"; predicted {100 * m:.1f} % more examples/s than {report['runner_up'].replace('_', ' ')}"
+           if m is not None and report.get("runner_up") else "")
     if report.get("setting") == "fc_workers=auto":
-        lines.append(f"hourglass.fc_workers auto -> {c['fc_workers']} FC ranks (the fastest Hourglass candidate)")
+        lines.append(f"hourglass.fc_workers auto -> {c['fc_workers']} FC ranks (the fastest Hourglass candidate{why})")
     else:
-        lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else ""))
+        lines.append(f"layout auto -> {report['layout']}" + (f" with {c['fc_workers']} FC ranks" if c["fc_workers"] else "")
+                     + (f" ({why[2:]})" if why else ""))
     return "\n".join(lines)
 
 

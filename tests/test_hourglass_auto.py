@@ -92,6 +92,25 @@ def test_choice_follows_the_model():
     assert "layout auto -> hourglass with 1 FC ranks" in text and "data parallel:" in text
 
 
+def test_choice_margin_over_the_runner_up():
+    """choose_layout's margin: the choice's predicted throughput over the next-fastest candidate's,
+    minus 1, with that candidate's name; printed in the choice's log line."""
+    for inp in (_inputs(), _inputs(beta=1e11, alpha=1e-7, act_bytes=5e5, grad_bytes=5e5)):
+        r = choose_layout(inp)
+        rest = sorted((p for p in r["predictions"] if p is not r["choice"]), key=lambda p: -p["throughput"])
+        assert r["runner_up"] == perfmodel.prediction_name(rest[0])
+        assert r["margin"] == pytest.approx(r["choice"]["throughput"] / rest[0]["throughput"] - 1, rel=1e-12)
+        assert r["margin"] >= 0
+        line = perfmodel.format_layout_report(r).splitlines()[-1]
+        assert line.endswith(f"(predicted {100 * r['margin']:.1f} % more examples/s than "
+                             f"{r['runner_up'].replace('_', ' ')})")
+    r = choose_layout(_inputs(), hourglass_only=True)    # among the Hourglass candidates only
+    assert r["runner_up"].startswith("hourglass F=") and r["runner_up"] != perfmodel.prediction_name(r["choice"])
+    r = choose_layout(_inputs(), hourglass_possible=False)  # one candidate: no runner-up
+    assert r["runner_up"] is None and r["margin"] is None
+    assert perfmodel.format_layout_report(r).splitlines()[-1] == "layout auto -> data_parallel"
+
+
 def test_exchange_model_matches_the_counted_bytes():
     # bytes of the busiest rank: allgather (k-1) P (Bruck / two_proc at 20 kB), ring 2 (k-1)/k P
     # (Open MPI's Rabenseifner for 1 MB on 2, 4, 8 ranks), tree (L + 2[k>2^L]) P
