@@ -80,6 +80,8 @@ docs/benchmarks.md "Session 17"), session 11's probe and cast calibration::
     B=docs/benchmarks; P=$B/link_calibration_pinned_s10.json; C=$B/perfmodel_validation_s11_fp16_cast.json
     .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/resnet20_2h.json=$P --fp16-cast $C \
         --md $B/perfmodel_validation_s17_resnet20_2h.md --json $B/perfmodel_validation_s17_resnet20_2h.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/vgg16_4h_s17_1gbit.json=$B/link_calibration_unpinned_s10.json \
+        --fp16-cast $C --md $B/perfmodel_validation_s17_vgg16_4h_1gbit.md --json $B/perfmodel_validation_s17_vgg16_4h_1gbit.json
 
 A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
 hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
