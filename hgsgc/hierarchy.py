@@ -603,9 +603,40 @@ def _decode_all(payload, lay: _Layout, what: str):
     return gidx, tf.reshape(vals, [K])
 
 
-def _merge_all(parts, lay: _Layout):
+def _merge_all(parts, lay: _Layout, backend=None):
     """:func:`merge` of every tensor at once; ``parts``: ``(global indices int64 [m_p] ascending,
-    values float32 [m_p])``. Returns the tuple of :func:`merge` in global indices."""
+    values float32 [m_p])``. Returns the tuple of :func:`merge` in global indices.
+
+    Two parts (every round of the tree, most of the node hierarchy's) with the custom kernels in
+    use (``backend``: None = :func:`hgsgc.ops.use_compression_kernels`'s setting, ``"custom"``,
+    ``"reference"``): the union, sum and per-tensor top-k run in one C++ op,
+    ``HgsgcSparseMergeSelect`` (``ops/sparse_merge.cc``, session 17), bit for bit the pure-TF
+    path of :func:`_select_reference` (tests/test_kernels17.py); otherwise that path."""
+    import tensorflow as tf
+
+    from hgsgc import ops
+
+    custom = (ops.use_compression_kernels() if backend is None else ops._resolve_compression(backend) == "custom")
+    if len(parts) == 2 and custom:
+        union, ca, cb, total, pos = ops.load().hgsgc_sparse_merge_select(
+            parts[0][0], parts[0][1], parts[1][0], parts[1][1], tf.constant(lay.base, tf.int64),
+            tf.constant(lay.k, tf.int32), kept=int(lay.K))
+        contribs = [ca, cb]
+        pos = tf.reshape(pos, [lay.K])
+    else:
+        union, contribs, total, pos = _select_reference(parts, lay)
+    new_idx = tf.gather(union, pos)
+    kept = tf.gather(total, pos)
+    payload, q = _encode_all(new_idx, kept, lay)
+    dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([lay.K], tf.bool),
+                                           tf.shape(union)[:1]))
+    return payload, new_idx, q, union, contribs, dropped, kept
+
+
+def _select_reference(parts, lay: _Layout):
+    """The pure-TF union, sum and per-tensor top-k of :func:`_merge_all`: ``(union int64 [u]
+    ascending, contributions float32 [u] per part (0 where absent), total float32 [u] (their sum
+    in part order), pos int32 [K] ascending positions of the kept entries)``."""
     import tensorflow as tf
 
     union = tf.unique(tf.sort(tf.concat([p[0] for p in parts], 0))).y
@@ -629,12 +660,7 @@ def _merge_all(parts, lay: _Layout):
     oseg = tf.gather(seg, order)
     keep = tf.range(size) - tf.gather(start, oseg) < tf.gather(tf.constant(lay.k), oseg)
     pos = tf.reshape(tf.sort(tf.boolean_mask(order, keep)), [lay.K])
-    new_idx = tf.gather(union, pos)
-    kept = tf.gather(total, pos)
-    payload, q = _encode_all(new_idx, kept, lay)
-    dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([lay.K], tf.bool),
-                                           tf.shape(union)[:1]))
-    return payload, new_idx, q, union, contribs, dropped, kept
+    return union, contribs, total, pos
 
 
 def exchange_layout(specs, bits: int, index_coding: str = "fixed") -> _Layout:
