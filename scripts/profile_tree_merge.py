@@ -11,7 +11,9 @@ top-k rolled by half its length, as ``hgsgc.perfmodel`` times the tree's per-pay
 * ``union_sum``: the sorted union of both index sets and the summed values;
 * ``select``: the per-tensor top-k of the sum (one descending sort by tensor and magnitude);
 * ``encode``: :func:`hgsgc.hierarchy._encode_all` of the kept entries;
-* ``merge_round``: the whole :func:`~hgsgc.hierarchy.merge_received` call.
+* ``merge_round``: the whole :func:`~hgsgc.hierarchy.merge_received` call (``--backend``: with
+  the union, sum and top-k in the C++ op ``HgsgcSparseMergeSelect`` or in pure TF; the parts
+  above are the pure-TF ones).
 
 Each part is its own ``tf.function`` (no autograph), two warm-up calls, then the median of
 ``--reps`` calls; also the process CPU seconds per call (``time.process_time``), since the
@@ -51,6 +53,9 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2, help="TensorFlow intra-op threads (2: an emulated host's rank)")
+    ap.add_argument("--backend", choices=["auto", "custom", "reference"], default="auto",
+                    help="compression kernels (hgsgc.ops.set_compression_backend): the merge round's "
+                         "union + sum + top-k in the C++ op (custom, session 17) or in pure TF (reference)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
 
@@ -61,6 +66,9 @@ def main(argv=None):
 
     cfg = load_config(a.config, a.overrides)
     setup_threads(a.threads)
+    from hgsgc import ops
+
+    ops.set_compression_backend(a.backend)
     import tensorflow as tf
 
     from hgsgc import hierarchy
@@ -133,7 +141,7 @@ def main(argv=None):
         m = hierarchy.merge_received(agg, [(partner, "")], lay)
         return tf.reduce_sum(m[2]) + tf.cast(tf.reduce_sum(m[1]), tf.float32)
 
-    out = {"config": a.config, "overrides": a.overrides, "threads": a.threads, "reps": a.reps,
+    out = {"config": a.config, "overrides": a.overrides, "threads": a.threads, "reps": a.reps, "backend": a.backend,
            "tensors": len(items), "K": int(lay.K), "payload_bytes": int(lay.P), "union": int(union.shape[0]),
            "parts_ms": {}}
     print(f"{len(items)} tensors, K = {lay.K} kept entries, payload {lay.P} B, union {int(union.shape[0])} entries; "
