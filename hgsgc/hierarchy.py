@@ -470,7 +470,7 @@ def _read_fields(payload64, pos, width, W: int):
     return tf.cast(val, tf.int32)
 
 
-def _write(fields, byte_fields, P: int):
+def _write(fields, byte_fields, P: int, custom: bool = False):
     """A payload of ``P`` bytes from bit fields and whole bytes (none overlapping; bits that no
     field covers are 0).
 
@@ -478,10 +478,29 @@ def _write(fields, byte_fields, P: int):
         fields: ``(values int32 [F] in [0, 2^W), bit positions, W)``; positions are static (numpy
             int32 [F]) or, for ``W == 1`` only, an int32 tensor.
         byte_fields: ``(bytes uint8 [B], static byte positions int32 [B])``.
+        custom: one ``HgsgcPackFields`` op (ops/sparse_merge.cc, session 17) instead of the
+            shifts, masks and ``tf.scatter_nd`` below; the same bytes (tests/test_kernels17.py).
     """
     import numpy as np
     import tensorflow as tf
 
+    if custom:
+        from hgsgc import ops
+
+        vs, ps, ss = [], [], []
+        for v, pos, W in fields:
+            vs.append(tf.cast(v, tf.int32))
+            if W == 1:
+                ps.append(tf.cast(pos, tf.int32))
+                ss.append(tf.zeros_like(ps[-1]))
+            else:
+                ps.append(tf.constant(np.asarray(pos, np.int32)))
+                ss.append(tf.fill(tf.shape(ps[-1]), _span(pos, W)))
+        bys = [tf.cast(b, tf.uint8) for b, _ in byte_fields]
+        bps = [tf.constant(np.asarray(bp, np.int32)) for _, bp in byte_fields]
+        cat = lambda xs, dt: tf.concat(xs, 0) if xs else tf.zeros([0], dt)  # noqa: E731
+        return ops.load().hgsgc_pack_fields(cat(vs, tf.int32), cat(ps, tf.int32), cat(ss, tf.int32),
+                                            cat(bys, tf.uint8), cat(bps, tf.int32), length=int(P))
     at, vals = [], []
     for v, pos, W in fields:
         if W == 1:   # one byte each, positions may be a tensor
@@ -504,10 +523,11 @@ def _write(fields, byte_fields, P: int):
     return tf.cast(out, tf.uint8)
 
 
-def _encode_all(gidx, vals, lay: _Layout):
+def _encode_all(gidx, vals, lay: _Layout, custom: bool = False):
     """Encode every tensor's kept entries: global indices int64 [K] (ascending, ``k_t`` per
     tensor) and float32 values [K] -> ``(payload uint8 [P], decoded values float32 [K])``:
-    the bytes of :func:`hgsgc.compression.wire.encode` per tensor, back to back."""
+    the bytes of :func:`hgsgc.compression.wire.encode` per tensor, back to back. ``custom``: the
+    fields packed by the ``HgsgcPackFields`` kernel (:func:`_write`)."""
     import tensorflow as tf
 
     from hgsgc.compression.wire import _f32_to_bytes
@@ -543,7 +563,7 @@ def _encode_all(gidx, vals, lay: _Layout):
     else:
         q = vals
         byte_fields.append((_f32_to_bytes(vals), lay.value_bytes))
-    return _write(fields, byte_fields, lay.P), q
+    return _write(fields, byte_fields, lay.P, custom=custom), q
 
 
 def _decode_all(payload, lay: _Layout, what: str):
@@ -627,7 +647,7 @@ def _merge_all(parts, lay: _Layout, backend=None):
         union, contribs, total, pos = _select_reference(parts, lay)
     new_idx = tf.gather(union, pos)
     kept = tf.gather(total, pos)
-    payload, q = _encode_all(new_idx, kept, lay)
+    payload, q = _encode_all(new_idx, kept, lay, custom=custom)
     dropped = tf.logical_not(tf.scatter_nd(pos[:, None], tf.ones([lay.K], tf.bool),
                                            tf.shape(union)[:1]))
     return payload, new_idx, q, union, contribs, dropped, kept

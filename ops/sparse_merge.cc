@@ -185,6 +185,75 @@ class SparseMergeSelectOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("HgsgcSparseMergeSelect").Device(::tensorflow::DEVICE_CPU), SparseMergeSelectOp);
 
+// HgsgcPackFields(values: int32 [F], bitpos: int32 [F], span: int32 [F], bytes: uint8 [B],
+//     bytepos: int32 [B]) [length: int] -> payload: uint8 [length]
+// The payload hierarchy._write builds with one tf.scatter_nd (session 17): every field adds its
+// bytes into an int32 accumulator per payload byte, which is then cast to uint8 (mod 256):
+//   span[i] == 0 (a 1-bit field, its position possibly computed): acc[bitpos >> 3] += values << (bitpos & 7)
+//   span[i] >= 1: wide = int64(values) << (bitpos & 7); for s < span:
+//                 acc[min((bitpos >> 3) + s, length - 1)] += (wide >> 8 s) & 255
+//   bytes: acc[bytepos] += bytes
+// Positions outside [0, length) raise InvalidArgument (as tf.scatter_nd on CPU).
+class PackFieldsOp : public OpKernel {
+ public:
+  explicit PackFieldsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("length", &length_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& v_t = ctx->input(0);
+    const Tensor& p_t = ctx->input(1);
+    const Tensor& s_t = ctx->input(2);
+    const Tensor& b_t = ctx->input(3);
+    const Tensor& bp_t = ctx->input(4);
+    const int64_t F = v_t.NumElements(), B = b_t.NumElements();
+    OP_REQUIRES(ctx, p_t.NumElements() == F && s_t.NumElements() == F && bp_t.NumElements() == B,
+                errors::InvalidArgument("HgsgcPackFields: values / bitpos / span (", F, ", ", p_t.NumElements(),
+                                        ", ", s_t.NumElements(), ") and bytes / bytepos (", B, ", ",
+                                        bp_t.NumElements(), ") must pair up"));
+    const int32_t* v = v_t.flat<int32_t>().data();
+    const int32_t* pos = p_t.flat<int32_t>().data();
+    const int32_t* span = s_t.flat<int32_t>().data();
+    const uint8_t* by = b_t.flat<uint8_t>().data();
+    const int32_t* bpos = bp_t.flat<int32_t>().data();
+    const int64_t P = length_;
+    std::vector<int32_t> acc(P, 0);
+    for (int64_t i = 0; i < F; ++i) {
+      const int32_t p = pos[i];
+      OP_REQUIRES(ctx, p >= 0, errors::InvalidArgument("HgsgcPackFields: bit position ", p, " of field ", i,
+                                                        " is negative"));
+      const int64_t at = p >> 3;
+      if (span[i] <= 0) {
+        OP_REQUIRES(ctx, at < P, errors::InvalidArgument("HgsgcPackFields: field ", i, " at byte ", at,
+                                                          " outside the payload of ", P, " bytes"));
+        acc[at] += static_cast<int32_t>(static_cast<uint32_t>(v[i]) << (p & 7));
+        continue;
+      }
+      const int64_t wide = static_cast<int64_t>(v[i]) << (p & 7);
+      for (int32_t s = 0; s < span[i]; ++s) {
+        const int64_t where = std::min<int64_t>(at + s, P - 1);
+        OP_REQUIRES(ctx, where >= 0, errors::InvalidArgument("HgsgcPackFields: empty payload"));
+        acc[where] += static_cast<int32_t>((wide >> (8 * s)) & 255);
+      }
+    }
+    for (int64_t i = 0; i < B; ++i) {
+      OP_REQUIRES(ctx, bpos[i] >= 0 && bpos[i] < P,
+                  errors::InvalidArgument("HgsgcPackFields: byte ", i, " at ", bpos[i], " outside the payload of ",
+                                          P, " bytes"));
+      acc[bpos[i]] += static_cast<int32_t>(by[i]);
+    }
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({P}), &out));
+    uint8_t* o = out->flat<uint8_t>().data();
+    for (int64_t j = 0; j < P; ++j) o[j] = static_cast<uint8_t>(acc[j]);
+  }
+
+ private:
+  int64_t length_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("HgsgcPackFields").Device(::tensorflow::DEVICE_CPU), PackFieldsOp);
+
 }  // namespace
 
 REGISTER_OP("HgsgcSparseMergeSelect")
@@ -211,5 +280,24 @@ REGISTER_OP("HgsgcSparseMergeSelect")
     })
     .Doc("Sorted union of two sparse aggregates, their sum, and the per-tensor top-k of |sum| "
          "(positions in the union, ascending): one merge of SGC's tree / node exchange.");
+
+REGISTER_OP("HgsgcPackFields")
+    .Input("values: int32")
+    .Input("bitpos: int32")
+    .Input("span: int32")
+    .Input("bytes: uint8")
+    .Input("bytepos: int32")
+    .Output("payload: uint8")
+    .Attr("length: int >= 0")
+    .SetShapeFn([](InferenceContext* c) -> Status {
+      ShapeHandle unused;
+      for (int i = 0; i < 5; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+      int64_t length;
+      TF_RETURN_IF_ERROR(c->GetAttr("length", &length));
+      c->set_output(0, c->Vector(length));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("The payload of bit fields and whole bytes at given positions, as hierarchy._write's "
+         "tf.scatter_nd builds it (int32 sums per byte, cast to uint8).");
 
 }  // namespace hgsgc

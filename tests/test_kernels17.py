@@ -137,3 +137,40 @@ def test_bad_inputs_raise():
         _kernel([short, short], lay)
     with pytest.raises(tf.errors.InvalidArgumentError, match="differ in length"):
         _kernel([good, (good[0], tf.constant(np.ones(2, np.float32)))], lay)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pack_fields_equal_the_scatter(seed):
+    """hierarchy._write with the HgsgcPackFields kernel: the same bytes as the shifts + tf.scatter_nd
+    path, for disjoint fields of widths 1-32 at arbitrary bit offsets (1-bit positions as a tensor,
+    as the Elias-Fano unary part has them) and whole bytes after them."""
+    rng = np.random.default_rng(seed)
+    fields, bit = [], 0
+    for W in (1, 2, 3, 7, 8, 9, 15, 17, 24, 31, 32):
+        n = int(rng.integers(1, 40))
+        pos = (bit + np.arange(n) * W).astype(np.int32)
+        bit = int(pos[-1]) + W + int(rng.integers(0, 5))
+        hi = 2 ** W
+        v = rng.integers(0, min(hi, 2 ** 31 - 1), n, dtype=np.int64).astype(np.int32)
+        if W == 1:
+            fields.append((tf.constant(v), tf.constant(pos), 1))
+        else:
+            fields.append((tf.constant(v), pos, W))
+    start = (bit + 7) // 8
+    byts = rng.integers(0, 256, 12).astype(np.uint8)
+    bpos = (start + np.arange(12)).astype(np.int32)
+    P = start + 12
+    ref = hierarchy._write(fields, [(tf.constant(byts), bpos)], P)
+    cus = hierarchy._write(fields, [(tf.constant(byts), bpos)], P, custom=True)
+    assert_same(cus, ref, "pack fields")
+    assert cus.shape == (P,)
+
+
+def test_pack_fields_rejects_positions_outside_the_payload():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside the payload of 4 bytes"):
+        ops.load().hgsgc_pack_fields(tf.constant([1], tf.int32), tf.constant([40], tf.int32),
+                                     tf.constant([0], tf.int32), tf.zeros([0], tf.uint8),
+                                     tf.zeros([0], tf.int32), length=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="byte 0 at 9 outside the payload of 4 bytes"):
+        ops.load().hgsgc_pack_fields(tf.zeros([0], tf.int32), tf.zeros([0], tf.int32), tf.zeros([0], tf.int32),
+                                     tf.constant([7], tf.uint8), tf.constant([9], tf.int32), length=4)
