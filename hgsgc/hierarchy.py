@@ -656,7 +656,15 @@ def _merge_all(parts, lay: _Layout, backend=None):
 def _select_reference(parts, lay: _Layout):
     """The pure-TF union, sum and per-tensor top-k of :func:`_merge_all`: ``(union int64 [u]
     ascending, contributions float32 [u] per part (0 where absent), total float32 [u] (their sum
-    in part order), pos int32 [K] ascending positions of the kept entries)``."""
+    in part order), pos int32 [K] ascending positions of the kept entries)``: :func:`_union_sum`
+    then :func:`_select_top`."""
+    union, contribs, total = _union_sum(parts)
+    return union, contribs, total, _select_top(union, total, lay)
+
+
+def _union_sum(parts):
+    """The sorted union of the parts' indices, each part's values at it (0 where absent) and their
+    sum in part order: ``(union int64 [u], contributions [float32 [u]], total float32 [u])``."""
     import tensorflow as tf
 
     union = tf.unique(tf.sort(tf.concat([p[0] for p in parts], 0))).y
@@ -669,8 +677,15 @@ def _select_reference(parts, lay: _Layout):
     total = contribs[0]
     for c in contribs[1:]:
         total = total + c
-    # per tensor, the k largest |sum| (ties: the lower index), as sparsify.exact_topk: one
-    # descending sort by (tensor ascending, |sum| as its bit pattern, ties by position)
+    return union, contribs, total
+
+
+def _select_top(union, total, lay: _Layout):
+    """Per tensor, the ``k`` largest ``|total|`` (ties: the lower index), as sparsify.exact_topk:
+    one descending sort by (tensor ascending, ``|total|`` as its bit pattern, ties by position).
+    Returns int32 [K], ascending positions in ``union``."""
+    import tensorflow as tf
+
     seg = tf.searchsorted(tf.constant(lay.base), union, side="right", out_type=tf.int32) - 1
     mag = tf.cast(tf.bitcast(tf.abs(total), tf.int32), tf.int64)
     key = tf.bitwise.left_shift(tf.cast(lay.T - 1 - seg, tf.int64), 32) + mag
@@ -679,8 +694,7 @@ def _select_reference(parts, lay: _Layout):
     start = tf.cumsum(tf.math.unsorted_segment_sum(tf.ones_like(seg), seg, lay.T), exclusive=True)
     oseg = tf.gather(seg, order)
     keep = tf.range(size) - tf.gather(start, oseg) < tf.gather(tf.constant(lay.k), oseg)
-    pos = tf.reshape(tf.sort(tf.boolean_mask(order, keep)), [lay.K])
-    return union, contribs, total, pos
+    return tf.reshape(tf.sort(tf.boolean_mask(order, keep)), [lay.K])
 
 
 def exchange_layout(specs, bits: int, index_coding: str = "fixed") -> _Layout:

@@ -131,8 +131,7 @@ def predict(x: dict) -> dict:
     at = ((lambda F: perfmodel.with_role_compression(inp, F, costs["conv"], costs["fc"]))
           if costs["conv"] and costs["fc"] else None)
     rep = perfmodel.choose_layout(inp, inputs_at=at)
-    return {(p["layout"] if p["fc_workers"] is None else f"hourglass F={p['fc_workers']}"): 1e3 * p["step_s"]
-            for p in rep["predictions"]}
+    return {perfmodel.prediction_name(p): 1e3 * p["step_s"] for p in rep["predictions"]}
 
 
 def varying_fields(xs, rel: float = 0.02):
@@ -158,8 +157,7 @@ def analyse(choices) -> dict:
     """The spread table and the one-at-a-time sensitivity (see the module docstring)."""
     xs = [flat_inputs(c) for _, c in choices]
     preds = [predict(x) for x in xs]
-    recorded = [{(p["layout"] if p["fc_workers"] is None else f"hourglass F={p['fc_workers']}"): 1e3 * p["step_s"]
-                 for p in c["predictions"]} for _, c in choices]
+    recorded = [{perfmodel.prediction_name(p): 1e3 * p["step_s"] for p in c["predictions"]} for _, c in choices]
     for (label, _), p, r in zip(choices, preds, recorded):
         for k in r:
             if abs(p[k] - r[k]) > 1e-6 * max(1.0, abs(r[k])):

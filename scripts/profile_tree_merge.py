@@ -8,8 +8,9 @@ tensors at the configured density, bits and index coding (the partner's payload:
 top-k rolled by half its length, as ``hgsgc.perfmodel`` times the tree's per-payload cost):
 
 * ``decode``: :func:`hgsgc.hierarchy._decode_all` of the partner's payload;
-* ``union_sum``: the sorted union of both index sets and the summed values;
-* ``select``: the per-tensor top-k of the sum (one descending sort by tensor and magnitude);
+* ``union_sum``: the sorted union of both index sets and the summed values (``hierarchy._union_sum``);
+* ``select``: the per-tensor top-k of the sum (``hierarchy._select_top``: one descending sort by
+  tensor and magnitude);
 * ``encode``: :func:`hgsgc.hierarchy._encode_all` of the kept entries;
 * ``merge_round``: the whole :func:`~hgsgc.hierarchy.merge_received` call (``--backend``: with
   the union, sum and top-k in the C++ op ``HgsgcSparseMergeSelect`` or in pure TF; the parts
@@ -107,27 +108,13 @@ def main(argv=None):
 
     @tf.function(autograph=False)
     def union_sum():
-        u = tf.unique(tf.sort(tf.concat([agg[0], decoded[0]], 0))).y
-        total = tf.zeros_like(u, tf.float32)
-        for idx, vals in (agg, decoded):
-            pos = tf.minimum(tf.searchsorted(idx, u, side="left", out_type=tf.int32), tf.size(idx) - 1)
-            total += tf.where(tf.equal(tf.gather(idx, pos), u), tf.gather(vals, pos), tf.zeros_like(u, tf.float32))
-        return tf.reduce_sum(total)
+        return tf.reduce_sum(hierarchy._union_sum([agg, decoded])[2])
 
     total = tf.random.normal(tf.shape(union))
 
     @tf.function(autograph=False)
     def select():
-        seg = tf.searchsorted(tf.constant(lay.base), union, side="right", out_type=tf.int32) - 1
-        mag = tf.cast(tf.bitcast(tf.abs(total), tf.int32), tf.int64)
-        key = tf.bitwise.left_shift(tf.cast(lay.T - 1 - seg, tf.int64), 32) + mag
-        size = tf.size(union)
-        order = tf.math.top_k(key, k=size, sorted=True).indices
-        start = tf.cumsum(tf.math.unsorted_segment_sum(tf.ones_like(seg), seg, lay.T), exclusive=True)
-        oseg = tf.gather(seg, order)
-        keep = tf.range(size) - tf.gather(start, oseg) < tf.gather(tf.constant(lay.k), oseg)
-        pos = tf.reshape(tf.sort(tf.boolean_mask(order, keep)), [lay.K])
-        return tf.reduce_sum(pos)
+        return tf.reduce_sum(hierarchy._select_top(union, total, lay))
 
     new_idx, kept = merged[1], merged[6]
 
