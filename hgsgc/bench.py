@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import traceback
 import uuid
 from typing import Any, Callable, Dict, List, Optional
+
+from hgsgc import bench_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_TRAIN_IMAGES = 60000
@@ -458,6 +461,8 @@ def _record(run: dict, full_epoch_steps: Optional[int] = None) -> dict:
         # what the truncated epochs took (first step = graph tracing included)
         "measured_epoch_time_s": [e.get("epoch_time_s") for e in epochs],
         "wall_time_s": s["wall_time_s"],
+        # a shared compute-only copy's timed window (bench_threads.start_barrier; None elsewhere)
+        "start_barrier": s.get("start_barrier"),
         "gradient_bytes": s.get("gradient_bytes"),
         "parameters": s.get("parameters"),
         "payload_bytes_per_step_per_rank": s.get("payload_bytes_per_step_per_rank"),
@@ -707,6 +712,10 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
         env["HGSGC_PIN_CORES"] = "1"
     else:
         env.pop("HGSGC_PIN_CORES", None)
+    barrier_dir = None
+    if copies > 1:  # line the copies' timed steps up (bench_threads.start_barrier)
+        barrier_dir = os.path.join(spec["runs_dir"], f".barrier-{spec['name']}-{method['name']}-{tag}")
+        env[bench_threads.START_BARRIER_ENV] = f"{barrier_dir}:{copies}:{float(spec['timeout_s']):g}"
     procs = []
     try:
         for rid in run_ids:
@@ -721,6 +730,8 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
         rec["mean_step_time_s"] = sum(r["mean_step_time_s"] for r in runs) / copies
         rec["step_times_s"] = [r["mean_step_time_s"] for r in runs]
         rec.update({k: runs[0][k] for k in ("steps", "final_test_accuracy", "wall_time_s")})
+        if copies > 1:
+            rec["timed_overlap"] = timed_overlap([r.get("start_barrier") for r in runs])
         if all(r.get("thread_cpu_s_per_step") for r in runs):  # CPU per timed step per thread group
             rec["thread_cpu_s_per_step"] = {g: sum(r["thread_cpu_s_per_step"][g] for r in runs) / copies
                                             for g in runs[0]["thread_cpu_s_per_step"]}
@@ -740,7 +751,24 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
                 p.kill()
                 p.wait()
         rec["load_after"] = _load()
+        if barrier_dir:
+            shutil.rmtree(barrier_dir, ignore_errors=True)
     return rec
+
+
+def timed_overlap(windows: list) -> Optional[float]:
+    """How much of the copies' timed steps ran while all of them were in their timed steps: the
+    length of the intersection of the windows ``[released_unix_s, timed_end_unix_s]`` (one per
+    copy, :func:`hgsgc.bench_threads.start_barrier`'s record in each copy's summary.json) over the
+    length of their union, in [0, 1] (1: all copies timed the same interval, so each timed step
+    shared the cores with every other copy's; 0: disjoint). None when a copy has no window (it ran
+    without the barrier: results from before session 18)."""
+    if not windows or any(not w or w.get("timed_end_unix_s") is None for w in windows):
+        return None
+    starts = [float(w["released_unix_s"]) for w in windows]
+    ends = [float(w["timed_end_unix_s"]) for w in windows]
+    union = max(ends) - min(starts)
+    return max(0.0, min(ends) - max(starts)) / union if union > 0 else 1.0
 
 
 def curve_run_id(spec: dict, method: dict) -> str:

@@ -303,3 +303,67 @@ def combine_ranks(per_rank: Iterable[Optional[dict]]) -> Optional[dict]:
     return {"steps": [r["steps"] for r in ranks], "groups": groups,
             "hvd_mpi_cpu_s_per_step": {"mean": sum(hm) / len(hm), "max": max(hm)},
             "ranks": ranks}
+
+
+#: Environment variable that makes ``hgsgc train`` wait, after its first (graph-tracing) step and
+#: before its timed steps, until ``N`` processes have reached the same point: ``DIR:N[:TIMEOUT_S]``
+#: (set by the bench for its ``compute_only_shared`` copies; see :func:`start_barrier`).
+START_BARRIER_ENV = "HGSGC_START_BARRIER"
+
+
+def parse_start_barrier(value: str) -> Tuple[str, int, float]:
+    """``(directory, copies, timeout_s)`` of a :data:`START_BARRIER_ENV` value ``DIR:N[:TIMEOUT_S]``
+    (timeout 600 s when not given). Raises ValueError naming the variable on a malformed value."""
+    parts = value.rsplit(":", 2)
+    try:
+        if len(parts) == 3 and parts[1].isdigit():
+            path, n, timeout = parts[0], int(parts[1]), float(parts[2])
+        else:
+            path, n = value.rsplit(":", 1)
+            n, timeout = int(n), 600.0
+    except ValueError:
+        raise ValueError(f"{START_BARRIER_ENV}={value!r}: expected DIR:COPIES[:TIMEOUT_S], e.g. "
+                         f"/tmp/barrier:4:600") from None
+    if not path or n < 1 or not timeout > 0:
+        raise ValueError(f"{START_BARRIER_ENV}={value!r}: expected a directory, COPIES >= 1 and "
+                         f"TIMEOUT_S > 0, e.g. /tmp/barrier:4:600")
+    return path, n, timeout
+
+
+def start_barrier(value: Optional[str] = None, poll_s: float = 0.002) -> Optional[dict]:
+    """Wait until ``COPIES`` processes have called this with the same directory (a file barrier).
+
+    Why: the bench's ``compute_only_shared`` measurement runs ``n`` independent one-process
+    trainings at once to measure the compute step of ``n`` emulated hosts sharing this machine's
+    cores. Their start-up (import, data, graph tracing) takes seconds and differs between copies,
+    while their timed steps take a fraction of a second, so without a barrier the copies' timed
+    windows barely overlap and the "shared" step is close to the step alone (session 18: VGG-16,
+    4 copies, 5-9 steps of ~55 ms inside 6-9 s of wall time). Called between the traced step and
+    the first timed step, this lines the timed windows up.
+
+    ``value``: ``DIR:COPIES[:TIMEOUT_S]`` (default: the :data:`START_BARRIER_ENV` variable; unset or
+    empty: returns None at once). Each caller creates ``DIR/<host>-<pid>`` and polls ``DIR`` every
+    ``poll_s`` seconds until it holds ``COPIES`` entries. Returns ``{"arrived_unix_s",
+    "released_unix_s", "copies"}`` (``time.time()``). Raises TimeoutError naming the variable when
+    the others do not arrive within ``TIMEOUT_S`` (a copy that failed), ValueError on a malformed
+    value."""
+    import socket
+    import time
+
+    value = os.environ.get(START_BARRIER_ENV, "") if value is None else value
+    if not value:
+        return None
+    path, n, timeout = parse_start_barrier(value)
+    os.makedirs(path, exist_ok=True)
+    arrived = time.time()
+    open(os.path.join(path, f"{socket.gethostname()}-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while True:
+        k = len([f for f in os.listdir(path) if not f.startswith(".")])
+        if k >= n:
+            return {"arrived_unix_s": arrived, "released_unix_s": time.time(), "copies": n}
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{START_BARRIER_ENV}={value}: {k} of {n} processes reached the start of "
+                               f"the timed steps within {timeout:g} s (another copy failed or is stuck; "
+                               f"see its log)")
+        time.sleep(poll_s)

@@ -173,6 +173,8 @@ def run_data_parallel(cfg, log=print) -> dict:
     # CPU per timed step of each thread (Horovod's, MPI's, TensorFlow's): /proc, over the timed
     # steps only (windows stop before a step that traces a graph and start after it)
     step_cpu, win = bench_threads.StepCPU(thread_groups), 0
+    timed_end_unix = None
+    barrier = None  # bench_threads.start_barrier's record (HGSGC_START_BARRIER), once per process
 
     def state_fn(epoch_losses=(), before=None):
         return {"model": ckpt.model_state(model),
@@ -222,8 +224,11 @@ def run_data_parallel(cfg, log=print) -> dict:
                         first_step_time = time.perf_counter() - t0
                 elif not retrace:
                     step_times.append(time.perf_counter() - t0)
+                    timed_end_unix = time.time()
                     win += 1
                 if not step_cpu.running:  # after a traced step: the timed steps start
+                    if barrier is None and not retrace:  # the bench's shared compute-only copies
+                        barrier = bench_threads.start_barrier() or {}  # line up their timed steps
                     step_cpu.start()
                     win = 0
                 if i + 1 >= steps_per_epoch:  # the epoch's last step: close the window before the
@@ -287,6 +292,8 @@ def run_data_parallel(cfg, log=print) -> dict:
     }
     if thread_cpu is not None:  # rank 0's gather (other ranks: None)
         summary["thread_cpu"] = thread_cpu
+    if barrier:  # the timed window of a bench's shared compute-only copy (its end: the last timed step)
+        summary["start_barrier"] = {**barrier, "timed_end_unix_s": timed_end_unix}
     rlog.summary(summary, model)
     if is_root:
         key = "final_" + task.metric

@@ -1,0 +1,68 @@
+"""The bench's start barrier for shared compute-only copies (hgsgc.bench_threads.start_barrier) and
+the overlap of the copies' timed windows (hgsgc.bench.timed_overlap)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hgsgc import bench, bench_threads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CHILD = """
+import json, sys, time
+from hgsgc import bench_threads
+rec = bench_threads.start_barrier()
+print(json.dumps({**rec, "after_unix_s": time.time()}))
+"""
+
+
+def test_parse_start_barrier():
+    assert bench_threads.parse_start_barrier("/tmp/b:4:30") == ("/tmp/b", 4, 30.0)
+    assert bench_threads.parse_start_barrier("/tmp/b:3") == ("/tmp/b", 3, 600.0)
+    assert bench_threads.parse_start_barrier("/a:b/c:2:1.5") == ("/a:b/c", 2, 1.5)
+
+
+@pytest.mark.parametrize("value", ["/tmp/b", "/tmp/b:x", "/tmp/b:0", ":3", "/tmp/b:2:0", "/tmp/b:2:-1"])
+def test_parse_start_barrier_rejects(value):
+    with pytest.raises(ValueError, match="HGSGC_START_BARRIER"):
+        bench_threads.parse_start_barrier(value)
+
+
+def test_start_barrier_unset_is_a_no_op(monkeypatch):
+    monkeypatch.delenv(bench_threads.START_BARRIER_ENV, raising=False)
+    assert bench_threads.start_barrier() is None
+    assert bench_threads.start_barrier("") is None
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+def test_start_barrier_releases_every_copy_after_the_last_arrives(tmp_path, copies):
+    """Each process leaves the barrier only after every process has entered it: every release time
+    is at or after the latest arrival (an ordering, not a duration)."""
+    env = dict(os.environ, PYTHONPATH=ROOT,
+               **{bench_threads.START_BARRIER_ENV: f"{tmp_path / 'b'}:{copies}:120"})
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(copies)]
+    recs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    last_arrival = max(r["arrived_unix_s"] for r in recs)
+    assert all(r["released_unix_s"] >= last_arrival for r in recs)
+    assert all(r["copies"] == copies for r in recs)
+    assert len(os.listdir(tmp_path / "b")) == copies
+
+
+def test_start_barrier_times_out_with_a_clear_error(tmp_path):
+    with pytest.raises(TimeoutError, match=r"HGSGC_START_BARRIER=.*1 of 2 processes"):
+        bench_threads.start_barrier(f"{tmp_path}:2:0.05")
+
+
+def test_timed_overlap_is_intersection_over_union():
+    w = lambda a, b: {"released_unix_s": a, "timed_end_unix_s": b}  # noqa: E731
+    assert bench.timed_overlap([w(10.0, 12.0), w(10.0, 12.0)]) == 1.0
+    assert bench.timed_overlap([w(10.0, 12.0), w(11.0, 13.0)]) == pytest.approx(1.0 / 3.0)
+    assert bench.timed_overlap([w(10.0, 11.0), w(12.0, 13.0), w(10.5, 12.5)]) == 0.0
+    assert bench.timed_overlap([w(10.0, 14.0), w(11.0, 12.0), w(10.0, 13.0)]) == pytest.approx(0.25)
+    assert bench.timed_overlap([w(10.0, 12.0), None]) is None
+    assert bench.timed_overlap([w(10.0, 12.0), {"released_unix_s": 1.0, "timed_end_unix_s": None}]) is None
