@@ -83,6 +83,12 @@ docs/benchmarks.md "Session 17"), session 11's probe and cast calibration::
     .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/vgg16_4h_s17_1gbit.json=$B/link_calibration_unpinned_s10.json \
         --fp16-cast $C --md $B/perfmodel_validation_s17_vgg16_4h_1gbit.md --json $B/perfmodel_validation_s17_vgg16_4h_1gbit.json
 
+Session 18: the same VGG-16 cells re-run after the start barrier (the shared compute-only copies' timed steps
+lined up, :func:`hgsgc.bench_threads.start_barrier`; docs/benchmarks.md "Session 18")::
+
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/vgg16_4h_s18_1gbit.json=$B/link_calibration_unpinned_s10.json \
+        --fp16-cast $C --md $B/perfmodel_validation_s18_vgg16_4h_1gbit.md --json $B/perfmodel_validation_s18_vgg16_4h_1gbit.json
+
 A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
 hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
 
