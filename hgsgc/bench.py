@@ -17,6 +17,8 @@ Spec::
     mpi_args: []                          # extra mpirun options for every cell
     timeout_s: 900                        # per cell
     compute_only: true
+    compute_only_shared: false            # also n processes at once, timed steps lined up (n = hosts)
+    compute_only_steps: null              # steps of each compute-only run (null: the cell's own)
     dilation: none                        # none | cpu_share | gpu (see dilation_factor)
     cpu_share_reference: null             # cpu_share only: a method whose factor every method gets
     pin: false                            # true: each rank on core (rank % cores), train.threads=1
@@ -77,7 +79,7 @@ def _emulated():
     return cluster
 
 
-SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only",
+SPEC_KEYS = ("name", "hosts", "bandwidths", "overrides", "mpi_args", "timeout_s", "compute_only", "compute_only_steps",
              "compute_only_shared", "out_dir", "runs_dir", "methods", "dilation", "gpu_step_ms", "gpu_source", "gpu_reference", "cpu_share_reference", "pin",
              "full_epoch_steps", "time_to_target", "cells_from")
 DILATIONS = ("none", "cpu_share", "gpu")
@@ -124,6 +126,11 @@ def load_spec(path_or_dict) -> dict:
     spec.setdefault("timeout_s", 900)
     spec.setdefault("compute_only", True)
     spec.setdefault("compute_only_shared", False)  # also n processes at once (n = host count)
+    spec.setdefault("compute_only_steps", None)  # steps per compute-only run (None: the cell's)
+    cos = spec["compute_only_steps"]
+    if cos is not None and (isinstance(cos, bool) or not isinstance(cos, int) or cos < 2):
+        raise SpecError(f"spec: compute_only_steps must be an integer >= 2 (one traced step + timed steps) "
+                        f"or null for the cells' own step count, got {cos!r}")
     spec.setdefault("out_dir", os.path.join("docs", "benchmarks"))
     spec.setdefault("runs_dir", os.path.join("runs", "bench"))
     _check_name("name", spec["name"])
@@ -702,6 +709,8 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
     overrides = [*spec["overrides"], *method["overrides"]]
     if layout == "hourglass" or "layout=hourglass" in overrides:
         extra = ["layout=data_parallel"]
+    if spec.get("compute_only_steps"):  # more timed steps than the cell: a steadier input, same model
+        extra.append(f"train.max_steps_per_epoch={int(spec['compute_only_steps'])}")
     tag = uuid.uuid4().hex[:6]
     run_ids = [f"{spec['name']}-{method['name']}-compute-{tag}-{i}" for i in range(copies)]
     rec = {"method": method["name"], "copies": copies, "status": "failed", "error": None,

@@ -66,3 +66,41 @@ def test_timed_overlap_is_intersection_over_union():
     assert bench.timed_overlap([w(10.0, 14.0), w(11.0, 12.0), w(10.0, 13.0)]) == pytest.approx(0.25)
     assert bench.timed_overlap([w(10.0, 12.0), None]) is None
     assert bench.timed_overlap([w(10.0, 12.0), {"released_unix_s": 1.0, "timed_end_unix_s": None}]) is None
+
+
+def _spec(**kw):
+    return {"name": "t", "methods": [{"name": "a", "config": "configs/fashion_mnist_dense.yaml"}], **kw}
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, 2.5, True, "4"])
+def test_compute_only_steps_rejects(bad):
+    with pytest.raises(bench.SpecError, match="compute_only_steps must be an integer >= 2"):
+        bench.load_spec(_spec(compute_only_steps=bad))
+
+
+def test_compute_only_steps_reaches_the_compute_only_run(monkeypatch, tmp_path):
+    """The compute-only processes get train.max_steps_per_epoch=N after the cell's overrides (the
+    last override wins), and the shared copies get the barrier variable."""
+    spec = bench.load_spec(_spec(compute_only_steps=20, runs_dir=str(tmp_path),
+                                 overrides=["train.max_steps_per_epoch=5"]))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_popen(args, env=None, **kw):
+        seen.append((args, env))
+        raise Stop()
+
+    monkeypatch.setattr(bench.subprocess, "Popen", fake_popen)
+    rec = bench.run_compute_only(spec["methods"][0], spec, copies=3)
+    assert rec["status"] == "failed" and "Stop" in rec["error"]
+    args, env = seen[0]
+    assert args.index("train.max_steps_per_epoch=20") > args.index("train.max_steps_per_epoch=5")
+    path, n, timeout = bench_threads.parse_start_barrier(env[bench_threads.START_BARRIER_ENV])
+    assert (n, timeout) == (3, float(spec["timeout_s"])) and path.startswith(str(tmp_path))
+    seen.clear()
+    bench.run_compute_only(spec["methods"][0], bench.load_spec(_spec(runs_dir=str(tmp_path))), copies=1)
+    args, env = seen[0]
+    assert not any(a.startswith("train.max_steps_per_epoch") for a in args)
+    assert bench_threads.START_BARRIER_ENV not in env
