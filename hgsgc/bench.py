@@ -1124,7 +1124,9 @@ def run_matrix(spec, log: Callable[[str], None] = print, python: Optional[str] =
                 rec = run_compute_only(m, spec, python, copies=int(h))
                 results["compute_only_shared"][f"{m['name']}@{h}"] = rec
                 log(f"[bench] {m['name']:<22} compute-only, {h} processes at once: "
-                    + (f"step {rec['mean_step_time_s'] * 1e3:8.1f} ms" if rec["status"] == "ok"
+                    + (f"step {rec['mean_step_time_s'] * 1e3:8.1f} ms"
+                       + (f", timed steps overlapping {rec['timed_overlap']:.2f}"
+                          if rec.get("timed_overlap") is not None else "") if rec["status"] == "ok"
                        else f"FAILED ({rec['error']})"))
     for cell in cells_from(spec) if spec.get("cells_from") else []:  # read, not run
         results["cells"].append(cell)
@@ -1203,7 +1205,8 @@ def markdown(results: dict) -> str:
                 _f(c["mean_step_time_s"] * 1e3),
                 _f(co.get("mean_step_time_s") and co["mean_step_time_s"] * 1e3),
                 _f(c.get("vs_compute_only"), "{:.2f}x"),
-                _f(cs.get("mean_step_time_s") and cs["mean_step_time_s"] * 1e3),
+                _f(cs.get("mean_step_time_s") and cs["mean_step_time_s"] * 1e3)
+                + (f" (overlap {cs['timed_overlap']:.2f})" if cs.get("timed_overlap") is not None else ""),
                 _f(c.get("vs_compute_only_shared"), "{:.2f}x"),
                 _f(c["time_per_epoch_s"]),
                 _f(c.get("vs_dense"), "{:.3f}"),

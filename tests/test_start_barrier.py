@@ -104,3 +104,40 @@ def test_compute_only_steps_reaches_the_compute_only_run(monkeypatch, tmp_path):
     args, env = seen[0]
     assert not any(a.startswith("train.max_steps_per_epoch") for a in args)
     assert bench_threads.START_BARRIER_ENV not in env
+
+
+def test_train_copies_wait_at_the_barrier_and_record_their_window(tmp_path):
+    """Two plain `hgsgc train` processes (world of one each) with the barrier set: each summary.json
+    has its window, each released after both arrived, its timed steps ending after its release, and
+    the overlap of the two windows is in (0, 1]."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+               **{bench_threads.START_BARRIER_ENV: f"{tmp_path / 'barrier'}:2:240"})
+    for k in [k for k in env if k.startswith(("OMPI_", "PMIX_"))]:
+        env.pop(k)
+    args = ["configs/fashion_mnist_sgc.yaml", "model.name=tiny", "data.train_limit=1000", "data.test_limit=100",
+            "train.epochs=1", "train.max_steps_per_epoch=5", "train.progress=false", "train.threads=1",
+            "checkpoint.at_end=false", f"run.out_dir={tmp_path}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "hgsgc.cli", "train", *args, f"run.id=c{i}"], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    wins = [json.load(open(tmp_path / f"c{i}" / "summary.json"))["start_barrier"] for i in range(2)]
+    last_arrival = max(w["arrived_unix_s"] for w in wins)
+    for w in wins:
+        assert w["copies"] == 2
+        assert w["released_unix_s"] >= last_arrival
+        assert w["timed_end_unix_s"] > w["released_unix_s"]
+    assert 0.0 < bench.timed_overlap(wins) <= 1.0
+
+
+def test_bench_markdown_shows_the_overlap_of_the_shared_copies():
+    cell = {"method": "m", "role": "ours", "status": "ok", "hosts": 4, "bandwidth": "100mbit",
+            "mean_step_time_s": 0.1, "time_per_epoch_s": 10.0, "bytes_sent_per_step_per_rank": 1000.0,
+            "iface_tx_bytes_per_step_per_rank": 1100.0, "compression_ratio": 100.0,
+            "final_test_accuracy": 0.5, "load_before": [1.0], "vs_compute_only_shared": 1.25}
+    results = {"name": "t", "spec": {"overrides": [], "mpi_args": []}, "started_utc": "x",
+               "machine": {"cpus": 2}, "compute_only": {},
+               "compute_only_shared": {"m@4": {"status": "ok", "mean_step_time_s": 0.08, "timed_overlap": 0.5}},
+               "cells": [cell], "groups": [{"hosts": 4, "bandwidth": "100mbit", "dense": "-", "best_baseline": "-"}]}
+    assert "| 80.0 (overlap 0.50) | 1.25x |" in bench.markdown(results)
