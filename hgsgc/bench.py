@@ -733,10 +733,12 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
         for rid in run_ids:
             procs.append(subprocess.Popen(_train_args(py, method, spec, spec["runs_dir"], rid) + extra,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        outs = [p.communicate(timeout=spec["timeout_s"]) for p in procs]
-        for p, (o, e) in zip(procs, outs):
-            if p.returncode != 0:
+        outs, killed = _communicate_all(procs, float(spec["timeout_s"]))
+        for i, (p, (o, e)) in enumerate(zip(procs, outs)):
+            if p.returncode != 0 and i not in killed:
                 rec["error"] = _error_of(o, e, p.returncode)
+                if killed:
+                    rec["error"] += f" (the other {len(killed)} cop{'y' if len(killed) == 1 else 'ies'} stopped)"
                 return rec
         runs = [_record(_read_run(os.path.join(spec["runs_dir"], rid))) for rid in run_ids]
         rec["mean_step_time_s"] = sum(r["mean_step_time_s"] for r in runs) / copies
@@ -766,6 +768,44 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
         if barrier_dir:
             shutil.rmtree(barrier_dir, ignore_errors=True)
     return rec
+
+
+def _communicate_all(procs: list, timeout_s: float, poll_s: float = 0.05):
+    """Wait for every process of ``procs`` (``subprocess.Popen`` with piped stdout / stderr, text),
+    reading their pipes concurrently; as soon as one exits non-zero, kill the others (shared
+    compute-only copies wait for each other at the start barrier, so a failed copy would otherwise
+    hold the rest until their barrier timeout).
+
+    Returns ``(outs, killed)``: ``[(stdout, stderr)]`` in process order and the set of indices this
+    function killed. Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds (every process
+    still running is killed first)."""
+    import threading
+
+    outs = [("", "")] * len(procs)
+
+    def drain(i, p):
+        outs[i] = p.communicate()
+
+    threads = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    deadline, killed = time.monotonic() + float(timeout_s), set()
+    while any(t.is_alive() for t in threads):
+        failed = any(p.poll() not in (None, 0) for i, p in enumerate(procs) if i not in killed)
+        expired = time.monotonic() > deadline
+        if failed or expired:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    killed.add(i)
+            if expired and not failed:
+                for t in threads:
+                    t.join()
+                raise subprocess.TimeoutExpired(procs[0].args, timeout_s)
+        time.sleep(poll_s)
+    for t in threads:
+        t.join()
+    return outs, killed
 
 
 def timed_overlap(windows: list) -> Optional[float]:

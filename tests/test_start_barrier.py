@@ -141,3 +141,22 @@ def test_bench_markdown_shows_the_overlap_of_the_shared_copies():
                "compute_only_shared": {"m@4": {"status": "ok", "mean_step_time_s": 0.08, "timed_overlap": 0.5}},
                "cells": [cell], "groups": [{"hosts": 4, "bandwidth": "100mbit", "dense": "-", "best_baseline": "-"}]}
     assert "| 80.0 (overlap 0.50) | 1.25x |" in bench.markdown(results)
+
+
+def test_a_failed_shared_copy_stops_the_others_waiting_at_the_barrier(tmp_path):
+    """One copy fails before the barrier; the others would wait there until the spec's timeout: the
+    bench kills them at once and reports the failed copy's error."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/sh
+case "$*" in
+  *compute-*-0\\ *|*compute-*-0) echo "hgsgc: error: copy 0 cannot start" >&2; exit 2;;
+esac
+exec {sys.executable} -c "from hgsgc import bench_threads; bench_threads.start_barrier()"
+""")
+    stub.chmod(0o755)
+    spec = bench.load_spec(_spec(runs_dir=str(tmp_path / "runs"), timeout_s=600))
+    os.makedirs(spec["runs_dir"])
+    rec = bench.run_compute_only(spec["methods"][0], spec, python=str(stub), copies=3)
+    assert rec["status"] == "failed"
+    assert rec["error"] == "hgsgc: error: copy 0 cannot start (the other 2 copies stopped)"
+    assert not [d for d in os.listdir(spec["runs_dir"]) if d.startswith(".barrier")]  # cleaned up
