@@ -94,6 +94,8 @@ lined up, :func:`hgsgc.bench_threads.start_barrier`; docs/benchmarks.md "Session
         --fp16-cast $C --md $B/perfmodel_validation_s18_vgg16_4h_fair.md --json $B/perfmodel_validation_s18_vgg16_4h_fair.json
     .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/ptb_4h_ttt_testend_s18.json=$B/link_calibration_unpinned_s10.json \
         --fp16-cast $C --md $B/perfmodel_validation_s18_ptb_4h.md --json $B/perfmodel_validation_s18_ptb_4h.json
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/ptb_4h_s18_fair.json=$B/link_calibration_unpinned_s10.json \
+        --fp16-cast $C --md $B/perfmodel_validation_s18_ptb_4h_fair.md --json $B/perfmodel_validation_s18_ptb_4h_fair.json
 
 A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
 hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
