@@ -97,6 +97,14 @@ lined up, :func:`hgsgc.bench_threads.start_barrier`; docs/benchmarks.md "Session
     .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $B/ptb_4h_s18_fair.json=$B/link_calibration_unpinned_s10.json \
         --fp16-cast $C --md $B/perfmodel_validation_s18_ptb_4h_fair.md --json $B/perfmodel_validation_s18_ptb_4h_fair.json
 
+Every session-18 shared-core cell in one table (``perfmodel_validation_s18``: 50 cells on 4 hosts)::
+
+    U=$B/link_calibration_unpinned_s10.json
+    CELLS="vgg16_4h_s18_1gbit vgg16_4h_s18_fair vgg16_4h_s18_10mbit resnet20_4h_s18 resnet20_4h_s18_10mbit
+           ptb_4h_ttt_testend_s18 ptb_4h_s18_fair"
+    .venv/bin/python scripts/cluster/perfmodel_validation.py --bench $(for c in $CELLS; do echo $B/$c.json=$U; done) \
+        --fp16-cast $C --md $B/perfmodel_validation_s18.md --json $B/perfmodel_validation_s18.json
+
 A cell's per-thread figures (the Horovod/MPI CPU term, the per-cell profile) are used only where they
 hold its timed steps alone (:func:`thread_figures_valid`); the others are marked superseded.
 
