@@ -160,3 +160,25 @@ exec {sys.executable} -c "from hgsgc import bench_threads; bench_threads.start_b
     assert rec["status"] == "failed"
     assert rec["error"] == "hgsgc: error: copy 0 cannot start (the other 2 copies stopped)"
     assert not [d for d in os.listdir(spec["runs_dir"]) if d.startswith(".barrier")]  # cleaned up
+
+
+def test_compute_only_factor_script(monkeypatch, capsys, tmp_path):
+    """scripts/compute_only_factor.py: alone, then N copies with the requested steps; factor = alone / shared."""
+    from conftest import load_script
+
+    mod = load_script("compute_only_factor.py")
+    calls = []
+
+    def fake(method, spec, copies=1):
+        calls.append((method["name"], copies, spec["compute_only_steps"]))
+        return {"status": "ok", "mean_step_time_s": 0.04 if copies == 1 else 0.32, "timed_overlap": None if copies == 1
+                else 0.8, "steps": 11}
+
+    monkeypatch.setattr(bench, "run_compute_only", fake)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nruns_dir: {tmp_path}/runs\nmethods:\n"
+                    "  - {name: a, config: configs/fashion_mnist_dense.yaml}\n")
+    assert mod.main([str(spec), "a", "8", "--steps", "11"]) == 0
+    assert calls == [("a", 1, 11), ("a", 8, 11)]
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == {"factor": pytest.approx(0.125)}
