@@ -691,8 +691,9 @@ def run_compute_only(method: dict, spec: dict, python: Optional[str] = None, cop
     the mean over the copies. The copies start their timed steps together
     (:func:`hgsgc.bench_threads.start_barrier`, through ``HGSGC_START_BARRIER``) and the record gives
     ``timed_overlap`` (:func:`timed_overlap`); the spec's ``compute_only_steps`` sets every
-    compute-only run's steps (``train.max_steps_per_epoch``, after the cell's overrides). A Hourglass method needs several ranks: it is measured with
-    ``layout=data_parallel`` (the whole model on one process), the compute of one data-parallel step.
+    compute-only run's steps (``train.max_steps_per_epoch``, after the cell's overrides). A
+    Hourglass method needs several ranks: it is measured with ``layout=data_parallel`` (the whole
+    model on one process), the compute of one data-parallel step.
 
     With the spec's ``pin`` (the clean cells), the single process (``copies=1``) is pinned to one
     core as well (``HGSGC_PIN_CORES=1``: core 0; ``train.threads=1`` as in the cells), so that it

@@ -224,7 +224,8 @@ def run_data_parallel(cfg, log=print) -> dict:
                         first_step_time = time.perf_counter() - t0
                 elif not retrace:
                     step_times.append(time.perf_counter() - t0)
-                    timed_end_unix = time.time()
+                    if barrier:  # a bench's shared compute-only copy: the end of its timed window
+                        timed_end_unix = time.time()
                     win += 1
                 if not step_cpu.running:  # after a traced step: the timed steps start
                     if barrier is None and not retrace:  # the bench's shared compute-only copies
