@@ -47,6 +47,19 @@ class Preempted(SystemExit):
 _EARLY = {"signum": 0, "old": {}}
 
 
+def announce_signal(signum: int, rank: Optional[int] = None):
+    """Write ``hgsgc: rank R: SIGNAME received; ...`` to stderr at once (``os.write``: safe inside a
+    signal handler, unbuffered, so a Slurm job log shows when each rank got the signal, before the
+    agreed checkpoint's line). ``rank`` defaults to the launcher's (:func:`world_rank`)."""
+    try:
+        name = signal.Signals(signum).name
+        r = world_rank() if rank is None else rank
+        os.write(2, f"hgsgc: rank {r}: {name} received; every rank checkpoints after the step the "
+                    f"ranks agree on, then exits 75\n".encode())
+    except Exception:  # a closed stderr must not turn a preemption into a crash
+        pass
+
+
 def catch_early_signals():
     """Record SIGTERM / SIGUSR1 from now on, before a runner's :class:`StepAgreement` exists.
 
@@ -59,6 +72,7 @@ def catch_early_signals():
     """
     def handler(signum, frame):
         _EARLY["signum"] = max(_EARLY["signum"], int(signum))
+        announce_signal(signum)
 
     for name in SIGNALS:
         sig = getattr(signal, name)
@@ -114,6 +128,7 @@ class StepAgreement:
     def _handler(self, signum, frame):
         self.flags[FLAG_SIGNAL] = max(int(self.flags[FLAG_SIGNAL]), int(signum))
         self.signal_received = int(signum)
+        announce_signal(signum, self.comm.Get_rank() if self.comm is not None else None)
 
     def _local(self):
         out = self.flags.copy()

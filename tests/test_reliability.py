@@ -196,7 +196,7 @@ def test_full_disk_is_a_clear_error_and_previous_checkpoint_intact(tmp_path):
     assert "LEFT []" in out  # the temporary file was removed, no manifest
 
 
-def test_preemption_flags_agree_in_one_process():
+def test_preemption_flags_agree_in_one_process(capfd):
     import signal
 
     from hgsgc.faults import StepAgreement
@@ -209,6 +209,9 @@ def test_preemption_flags_agree_in_one_process():
     finally:
         ag.close()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    # announced on stderr when it arrives (a job log shows each rank's receipt)
+    assert capfd.readouterr().err == ("hgsgc: rank 0: SIGUSR1 received; every rank checkpoints after "
+                                      "the step the ranks agree on, then exits 75\n")
 
 
 def test_config_checkpoint_and_fault_keys_validated():

@@ -191,22 +191,35 @@ def test_preemption_signal_checkpoints_exits_75_and_resume_is_bit_exact(np_, tar
     a = uninterrupted(np_, "sgc_delay4", tmp_path_factory)
     out = tmp_path_factory.mktemp(f"sig_{np_}")
     cmd = _cmd(np_, out, "s", METHODS["sgc_delay4"] + ["train.epochs=2", "checkpoint.every_steps=1"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT)
+    # the ranks wait after their first step at a file barrier of np_ + 1 (HGSGC_START_BARRIER;
+    # this test is the last to arrive), are signalled there, and go on once the signalled
+    # rank(s) announced it: the signal always lands mid-run (signalling after a checkpoint
+    # marker raced the end of the ~50 ms run), and in step 1's agreement round, so step 2's
+    # checkpoint is the preemption's
+    barrier = out / "barrier"
+    cmd = cmd[:len(MPIRUN)] + ["-x", "HGSGC_START_BARRIER"] + cmd[len(MPIRUN):]
+    env = dict(_env(), HGSGC_START_BARRIER=f"{barrier}:{np_ + 1}:600")
+    errf = open(out / "stderr.txt", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=env, cwd=ROOT)
+    name = signal.Signals(sig).name
     try:
         pids = _rank_pids(proc.pid, np_)
-        _wait_for(str(out / "s" / "checkpoints" / "step-00000002" / "manifest.json"), proc)
+        _wait_for(lambda: barrier.exists() and len(os.listdir(barrier)) >= np_, proc)
         os.kill(pids[1] if target == "rank1" else proc.pid, sig)
-        stdout, stderr = proc.communicate(timeout=300)
+        told = 1 if target == "rank1" else np_
+        _wait_for(lambda: (out / "stderr.txt").read_text().count(f": {name} received; every rank") >= told, proc)
+        (barrier / "test").touch()
+        stdout, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+        errf.close()
+    stderr = (out / "stderr.txt").read_text()
     assert proc.returncode == 75, stdout[-2000:] + stderr[-3000:]
-    name = signal.Signals(sig).name
     line = [ln for ln in stdout.splitlines() if f"{name} received: checkpoint of step" in ln]
     assert len(line) == 1, stdout[-2000:]
     step = int(line[0].split("checkpoint of step ")[1].split()[0])
-    assert 2 <= step < STEPS, line
+    assert step == 2, line
     latest = ckpt.latest(str(out / "s" / "checkpoints"))
     assert latest.endswith(f"step-{step:08d}")
     # requeued: the same command again
