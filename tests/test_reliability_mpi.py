@@ -329,11 +329,14 @@ def test_kill_9_of_any_rank_ends_job_within_60s(layout, victim, tmp_path):
         _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, proc)
         os.kill(pids[victim], signal.SIGKILL)
         t0 = time.monotonic()
-        out, _ = proc.communicate(timeout=120)
+        try:  # a hang fails by this timeout (no wall-clock assertion on a job that ended)
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"kill -9 of rank {victim} ({layout}): the job was still running 60 s later "
+                        f"(a rank hangs in a collective)", pytrace=False)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, out[-2000:]
-    assert took < 60, took
     print(f"kill -9 of rank {victim} ({layout}): job ended {took:.1f} s after the kill")
