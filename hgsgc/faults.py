@@ -114,6 +114,7 @@ class StepAgreement:
         self._recv = np.zeros(2, np.int32)
         self._old = {}
         self.signal_received = 0
+        self._rank = comm.Get_rank() if comm is not None else None  # no MPI call in the handler
         if install and _EARLY["signum"]:  # a signal during start-up (catch_early_signals)
             self.flags[FLAG_SIGNAL] = self.signal_received = _EARLY["signum"]
             _EARLY["signum"] = 0
@@ -128,7 +129,7 @@ class StepAgreement:
     def _handler(self, signum, frame):
         self.flags[FLAG_SIGNAL] = max(int(self.flags[FLAG_SIGNAL]), int(signum))
         self.signal_received = int(signum)
-        announce_signal(signum, self.comm.Get_rank() if self.comm is not None else None)
+        announce_signal(signum, self._rank)
 
     def _local(self):
         out = self.flags.copy()
