@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -302,19 +302,29 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-def latest(directory: str, below: Optional[int] = None) -> Optional[str]:
+def latest(directory: str, below: Optional[int] = None, damaged: Optional[list] = None) -> Optional[str]:
     """The newest COMPLETE checkpoint folder in ``directory`` (None if there is none), of a step
     below ``below`` if given.
 
     Folders without a manifest, or whose files do not match it, are skipped: a write killed
-    half-way never hides the previous checkpoint.
+    half-way never hides the previous checkpoint. ``damaged``: a list that receives
+    ``(folder, why)`` for each skipped folder that HAS a manifest but a file missing or of another
+    size (damage after completion, not an interrupted write), newest first.
     """
     for step, path in list_checkpoints(directory):
         if below is not None and step >= below:
             continue
         try:
-            verify(path)
+            man = read_manifest(path)
         except CheckpointError:
+            continue  # no manifest: its writer stopped half-way (or a manifest hgsgc did not write)
+        try:
+            verify(path, man)
+        except CheckpointError as exc:
+            # the manifest is written last, after every rank's file is durable: a file missing or
+            # of another size under a manifest is damage after the checkpoint completed
+            if damaged is not None:
+                damaged.append((path, str(exc).replace(f"checkpoint {path}: ", "")))
             continue
         return path
     return None
@@ -606,20 +616,23 @@ def _prune(directory, keep, newest_step):
 
 
 def resolve(directory: str, resume: str, run: dict, comm=None,
-            below: Optional[int] = None) -> Optional[Tuple[str, dict]]:
+            below: Optional[int] = None, log: Optional[Callable] = None) -> Optional[Tuple[str, dict]]:
     """Which checkpoint to resume from (rank 0 decides; every rank gets the same answer).
 
     Args:
         resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or none),
             ``"never"``, or a checkpoint folder path (must be complete).
         run: this run's identity (compatibility check).
+        log: rank 0 reports there each newer checkpoint ``auto`` passed over as damaged (a file
+            missing or of another size under its manifest).
 
     Returns:
         ``(folder, manifest)`` or None to start afresh.
 
     Raises:
         CheckpointMismatch: the checkpoint is from another run (every rank alike).
-        CheckpointError: an explicit path that is not a complete checkpoint.
+        CheckpointError: an explicit path that is not a complete checkpoint; ``auto`` when the
+            only complete-manifest checkpoints are damaged (starting afresh would lose the run).
     """
     comm = _comm(comm)
     answer = None
@@ -628,7 +641,19 @@ def resolve(directory: str, resume: str, run: dict, comm=None,
             if resume == "never":
                 answer = ("none", None, None)
             else:
-                path = latest(directory, below) if resume == "auto" else resume
+                damaged = []
+                path = latest(directory, below, damaged) if resume == "auto" else resume
+                if path is None and damaged:  # silently starting afresh would lose the run
+                    where, why = damaged[0]
+                    raise CheckpointError(
+                        f"checkpoint {where} is damaged ({why}) and no older complete checkpoint is "
+                        f"left in {directory}: resume: auto would silently start from step 0. Fix: "
+                        f"restore the file, or delete the folder {where} to resume an older one (none "
+                        f"here), or start afresh under a new run.id (or checkpoint.resume=never, which "
+                        f"moves these checkpoints aside)")
+                for where, why in damaged if path is not None else ():
+                    if log is not None:
+                        log(f"hgsgc: checkpoint {where} is damaged ({why}): resuming from an older one")
                 if path is None:
                     answer = ("none", None, None)
                 else:
@@ -667,6 +692,43 @@ def load_rank(path: str, manifest: dict, rank: int):
     if _sha256(data) != info["sha256"]:
         raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check (damaged)")
     return tree_from_bytes(data, fp)
+
+
+def set_aside(directory: str, comm=None, log: Optional[Callable] = None) -> Optional[str]:
+    """Move an earlier run's checkpoints out of the way before a ``resume: never`` run (collective).
+
+    Rank 0 renames ``directory`` to ``directory.set-aside-<UTC time>`` (``-2``, ``-3`` ... if
+    taken) when it holds any ``step-*`` folder, and logs it; every rank gets the new name, or the
+    same CheckpointError (the rename failed). Why: training afresh beside the old checkpoints
+    left them as the newest, so the next ``resume: auto`` (the Slurm requeue of this very job)
+    resumed the earlier run's state without a word. Returns the new name, or None (nothing there).
+    """
+    comm = _comm(comm)
+    answer = ("none", None)
+    if comm.Get_rank() == 0:
+        found = list_checkpoints(directory)
+        if found:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            target, k = f"{directory.rstrip(os.sep)}.set-aside-{stamp}", 1
+            while os.path.exists(target if k == 1 else f"{target}-{k}"):
+                k += 1
+            target = target if k == 1 else f"{target}-{k}"
+            try:
+                os.rename(directory, target)
+                answer = ("ok", target)
+                if log is not None:
+                    log(f"hgsgc: checkpoint.resume=never: moved the {len(found)} earlier checkpoint folder(s) "
+                        f"(newest step {found[0][0]}) from {directory} to {target}; this run starts afresh")
+            except OSError as exc:
+                answer = ("error", f"checkpoint.resume=never: cannot move the earlier checkpoints in "
+                                   f"{directory} aside to {target} ({exc.strerror or exc}): move or delete "
+                                   f"them, or use a new run.id")
+    kind, value = comm.bcast(answer, root=0)
+    if kind == "error":
+        err = CheckpointError(value)
+        err.all_ranks = True
+        raise err
+    return value if kind == "ok" else None
 
 
 def check_folder(directory: str, comm=None):
@@ -864,14 +926,32 @@ class Checkpointer:
         self.agreement = StepAgreement(comm, settings.every_minutes)
         self.last_saved = None
 
-    def resume(self):
+    def resume(self, end_step: Optional[int] = None, steps_per_epoch: Optional[int] = None):
         """This rank's saved state tree from the checkpoint ``resume`` selects, or None.
+
+        ``resume: never`` in a folder that already holds checkpoints first moves them aside
+        (:func:`set_aside`), so that a later ``resume: auto`` (a Slurm requeue) resumes this run,
+        not the earlier one, and nothing is deleted. ``end_step``: the last step of this run
+        (``train.epochs`` x ``steps_per_epoch``); a checkpoint past it is refused.
 
         Raises:
             CheckpointMismatch / CheckpointError: on every rank alike.
         """
+        if self.s.resume == "never":
+            set_aside(self.dir, self.comm, self.log if self.rank == 0 else None)
         check_folder(self.dir, self.comm)
-        found = resolve(self.dir, self.s.resume, self.identity, self.comm)
+        found = resolve(self.dir, self.s.resume, self.identity, self.comm,
+                        log=self.log if self.rank == 0 else None)
+        if found is not None and end_step is not None and int(found[1]["step"]) > int(end_step):
+            path, step = found[0], int(found[1]["step"])
+            need = (f" to at least {-(-step // int(steps_per_epoch))}" if steps_per_epoch else "")
+            err = CheckpointError(
+                f"checkpoint {path} is at step {step}, past the end of this run (step {int(end_step)}: "
+                f"train.epochs x steps per epoch): resuming it would report the longer run's state as "
+                f"this run's. Fix: raise train.epochs{need}, or start afresh with checkpoint.resume=never "
+                f"(which moves these checkpoints aside) or a new run.id")
+            err.all_ranks = True
+            raise err
         while found is not None:
             path, man = found
             state, err = None, None
@@ -887,14 +967,15 @@ class Checkpointer:
             # a rank's file is damaged (SHA-256, unreadable): resume: auto takes the newest
             # complete checkpoint before it, as it skips incomplete ones; otherwise stop
             r, e = bad[0]
-            older = (resolve(self.dir, "auto", self.identity, self.comm, below=int(man["step"]))
+            older = (resolve(self.dir, "auto", self.identity, self.comm, below=int(man["step"]),
+                             log=self.log if self.rank == 0 else None)
                      if self.s.resume == "auto" else None)
             if older is None:
                 more = f" (and {len(bad) - 1} other rank(s))" if len(bad) > 1 else ""
                 err = CheckpointError(f"resume from {path} failed on rank {r}{more}: {e}. Fix: delete the "
                                       f"folder {path} and resume with checkpoint.resume=auto (the newest "
                                       f"complete checkpoint before it), or start afresh with "
-                                      f"checkpoint.resume=never")
+                                      f"checkpoint.resume=never (which moves these checkpoints aside)")
                 err.all_ranks = True
                 raise err
             if self.rank == 0:

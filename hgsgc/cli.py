@@ -51,8 +51,8 @@ def cmd_train(args) -> int:
     catch_early_signals()  # a preemption signal during start-up: checkpoint after a step, exit 75
     try:
         return _train(args)
-    finally:
-        release_early_signals()
+    finally:  # as a command (not main([...]) in a caller's process): ignore late signals
+        release_early_signals(late=getattr(args, "as_command", False))
 
 
 def _train(args) -> int:
@@ -213,6 +213,7 @@ def main(argv=None) -> int:
 
     apply_defaults()
     pin_to_core()  # HGSGC_PIN_CORES=1 only (benchmark cells)
+    args.as_command = argv is None  # the console script / python -m hgsgc.cli (sys.argv)
     return args.func(args)
 
 

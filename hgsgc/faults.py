@@ -83,14 +83,29 @@ def catch_early_signals():
         _EARLY["old"].setdefault(sig, old)
 
 
-def release_early_signals():
-    """Undo :func:`catch_early_signals` (the handlers before it; a pending signal is dropped)."""
+def release_early_signals(late: bool = False):
+    """Undo :func:`catch_early_signals` (the handlers before it; a pending signal is dropped).
+
+    ``late=True`` (``hgsgc train`` as a command, at the end of the run): install
+    :func:`_late_handler` instead, which announces and ignores SIGTERM / SIGUSR1 for the rest of
+    the process (MPI's finalize, TensorFlow's teardown: ~0.7 s). Restoring the default handlers
+    there let a preemption signal that arrived just after the run's end kill the rank (mpirun exit
+    138), so Slurm marked a finished job FAILED."""
     for sig, old in _EARLY["old"].items():
         try:
-            signal.signal(sig, old)
+            signal.signal(sig, _late_handler if late else old)
         except (ValueError, TypeError):
             pass
     _EARLY["old"], _EARLY["signum"] = {}, 0
+
+
+def _late_handler(signum, frame):
+    """SIGTERM / SIGUSR1 after the run ended: one line on stderr, nothing else to do."""
+    try:
+        os.write(2, f"hgsgc: rank {world_rank()}: {signal.Signals(signum).name} received after the run "
+                    f"ended (its results are written): ignored\n".encode())
+    except Exception:
+        pass
 
 
 class StepAgreement:

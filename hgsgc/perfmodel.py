@@ -1172,7 +1172,8 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
     :func:`compression_at`). The cost of
     an exchange among ``k`` ranks is ``base_s + (k - 1) per_payload_s`` (allgather) or
     ``base_s + rounds * per_payload_s`` (tree / node: one merge per round).
-    Needs ``hvd.init()`` (it is called if needed; one process is a world of size 1). ``clock``:
+    Needs Horovod initialised (if it is not, ``hvd.init(comm=MPI.COMM_SELF)``: this process
+    alone, a world of size 1, also under a launcher). ``clock``:
     as in :func:`measure_compute_s`.
     """
     import horovod.tensorflow as hvd
@@ -1188,8 +1189,10 @@ def measure_compression_s(compression, shapes, reps: int = 5, clock=None) -> dic
                 "alone_s": 0.0}
     if not comp.compressed:  # fp32 dense: Horovod's allreduce, nothing to encode
         return {"base_s": 0.0, "per_payload_s": 0.0}
-    if not hvd.is_initialized():
-        hvd.init()
+    if not hvd.is_initialized():  # this process alone: under mpirun / srun hvd.init() on the
+        from mpi4py import MPI      # world is collective (hgsgc plan's rank 0 hung in it)
+
+        hvd.init(comm=MPI.COMM_SELF)
     rng = np.random.default_rng(1)
     tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
     names = [f"plan_{i}" for i in range(len(shapes))]

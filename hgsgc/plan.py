@@ -715,6 +715,11 @@ def plan_main(args) -> int:
 
     size = runtime.world_size()
     if size > 1:
+        # every rank initialises MPI (a collective start-up under mpirun / srun: a rank 0 that
+        # initialised it alone, for Horovod, waited for the others for ever, session 19), then
+        # the others leave and rank 0 measures with Horovod on itself alone
+        from mpi4py import MPI  # noqa: F401 (MPI_Init on every rank)
+
         if runtime.world_rank() != 0:
             return 0
         print(f"hgsgc plan: started as {size} processes (mpirun / srun); plan is a single-process "

@@ -146,7 +146,7 @@ def run_data_parallel(cfg, log=print) -> dict:
     checkpointer = ckpt.Checkpointer(cfg.checkpoint, run_dir, identity, comm, log if is_root else None)
     loop = {"global_step": 0, "history": [], "losses": [], "before": None,
             "step_times": [], "first_step_time": None, "wall_s": 0.0}
-    saved = checkpointer.resume()
+    saved = checkpointer.resume(cfg.train.epochs * steps_per_epoch, steps_per_epoch)
     if saved is not None:
         def restore():
             ckpt.load_model_state(model, saved["model"])

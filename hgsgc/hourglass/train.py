@@ -385,7 +385,7 @@ def run(cfg, log=print) -> dict:
                                      log if is_root else None)
     loop = {"global_step": 0, "history": [], "before": None, "start_snap": None,
             "step_times": [], "first_step_time": None, "wall_s": 0.0}
-    saved = checkpointer.resume()
+    saved = checkpointer.resume(cfg.train.epochs * steps_per_epoch, steps_per_epoch)
     if saved is not None:
         def restore():
             ckpt.load_model_state(trainer.net, saved["net"], "Hourglass role network")
