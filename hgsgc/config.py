@@ -226,6 +226,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     return cfg
 
 
+#: upper bounds of counts that reach C code (TensorFlow's thread pools, int64 step arithmetic)
+MAX_DELAY = 2 ** 31 - 1
+MAX_THREADS = 4096
+
+
 def validate(cfg: Config) -> None:
     """Range checks; raises :class:`ConfigError` naming the key and the fix."""
     c, t = cfg.compression, cfg.train
@@ -242,6 +247,8 @@ def validate(cfg: Config) -> None:
         bad("compression.bits", c.bits, "use 2 (2-bit values) or 32 (fp32 values)")
     if c.delay < 1:
         bad("compression.delay", c.delay, "must be an integer >= 1 (1 = synchronize every step)")
+    if c.delay > MAX_DELAY:  # a 21-digit delay ended in a bare OverflowError naming no key
+        bad("compression.delay", c.delay, f"must be <= {MAX_DELAY} (steps between synchronizations)")
     if c.method not in ("sgc", "localsgd") and c.delay != 1:
         bad("compression.delay", c.delay, f"method {c.method} synchronizes every step: use "
                                           "method=sgc or method=localsgd for delay > 1")
@@ -328,6 +335,17 @@ def validate(cfg: Config) -> None:
         bad("checkpoint.keep", k.keep, "must be >= 1 (complete checkpoints kept)")
     if not k.resume:
         bad("checkpoint.resume", k.resume, "use auto, never or a checkpoint folder")
+    if k.resume in ("False", "True"):  # YAML reads an unquoted no / off / yes / on as a boolean
+        bad("checkpoint.resume", k.resume, "YAML reads an unquoted no, off, yes or on as a boolean: use "
+                                           "auto or never (or a checkpoint folder, quoted or as ./NAME)")
+    if t.threads > MAX_THREADS:  # 100000 aborted inside TensorFlow with a C stack trace
+        bad("train.threads", t.threads, f"must be <= {MAX_THREADS} TensorFlow threads per rank (0 = the "
+                                        f"host's cores / its ranks)")
+    rid = cfg.run.id
+    if rid is not None and (not str(rid).strip() or "/" in str(rid) or os.sep in str(rid)
+                            or str(rid) in (".", "..")):
+        bad("run.id", rid, "is the run's folder name under run.out_dir, not a path: put the location in "
+                           "run.out_dir (a run.id with '/' or '..' wrote outside it)")
     if cfg.faults.nonfinite == "False":  # YAML reads an unquoted off as false
         cfg.faults.nonfinite = "off"
     if cfg.faults.nonfinite not in ("skip", "raise", "off"):
@@ -375,8 +393,8 @@ def validate(cfg: Config) -> None:
             check_pair(h.act_codec or "fp32", h.grad_codec)
         except BoundaryCodecError as exc:
             raise ConfigError(str(exc)) from None
-    if isinstance(h.fc_delay, bool) or not isinstance(h.fc_delay, int) or h.fc_delay < 1:
-        bad("hourglass.fc_delay", h.fc_delay, "must be an integer >= 1")
+    if isinstance(h.fc_delay, bool) or not isinstance(h.fc_delay, int) or not 1 <= h.fc_delay <= MAX_DELAY:
+        bad("hourglass.fc_delay", h.fc_delay, f"must be an integer in 1..{MAX_DELAY}")
     if h.fc_delay != 1 and h.fc_method != "sgc":
         bad("hourglass.fc_delay", h.fc_delay, f"communication delay among FC ranks needs "
                                               f"hourglass.fc_method=sgc (it is {h.fc_method})")

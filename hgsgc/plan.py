@@ -33,6 +33,7 @@ the data-parallel row of the configured method (tested).
 from __future__ import annotations
 
 import math
+import re
 from typing import List, Optional, Sequence, Tuple
 
 from hgsgc import perfmodel as pm
@@ -728,6 +729,9 @@ def plan_main(args) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if re.fullmatch(r"\s*\d+(\.\d+)?\s*", str(args.bandwidth)):  # read as bit/s: ranks on 1e-05 Mbit/s
+            raise ValueError(f"--bandwidth {args.bandwidth} has no unit: write e.g. {args.bandwidth.strip()}gbit "
+                             f"or {args.bandwidth.strip()}mbit ({args.bandwidth.strip()}bit if you mean bit/s)")
         rate = pm.parse_rate(args.bandwidth)
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")

@@ -207,3 +207,36 @@ def test_plan_under_mpirun_plans_on_rank_0_and_ends(np_, tmp_path):
     assert p.stderr.count(f"hgsgc plan: started as {np_} processes") == 1, p.stderr[-2000:]
     plan = json.load(open(out))
     assert plan and p.stdout.count("hourglass_F1") == 1, p.stdout[-2000:]
+
+
+# ------------------------------------------------------------------ config bounds and forms
+@pytest.mark.parametrize("override,words", [
+    ("compression.delay=100000000000000000000", "compression.delay=100000000000000000000 is invalid: must be <= 2147483647"),
+    ("train.threads=100000", "train.threads=100000 is invalid: must be <= 4096"),
+    ("run.id=../../escape", "run.id='../../escape' is invalid: is the run's folder name under run.out_dir"),
+    ("run.id=a/b", "run.id='a/b' is invalid"),
+    ("checkpoint.resume=no", "checkpoint.resume='False' is invalid: YAML reads an unquoted no"),
+])
+def test_values_that_ended_in_c_code_or_elsewhere_are_config_errors(override, words):
+    """Before: a 21-digit delay ended in 'OverflowError: Python int too large to convert to C
+    long' naming no key; train.threads=100000 aborted inside TensorFlow (exit 134, C stack);
+    run.id=../../escape wrote the run outside run.out_dir; checkpoint.resume: no (YAML: false)
+    became 'checkpoint False does not exist' at resume. Each is one ConfigError naming the key."""
+    from hgsgc.config import ConfigError, load_config
+
+    over = [override] + (["compression.method=sgc"] if "delay" in override else [])
+    with pytest.raises(ConfigError) as ei:
+        load_config(CFG, over)
+    assert words in str(ei.value), str(ei.value)
+    assert load_config(CFG, ["run.id=my-run_1", "train.threads=8"]).run.id == "my-run_1"
+
+
+def test_plan_bandwidth_without_a_unit_is_refused(capsys):
+    """Before: ``--bandwidth 10`` was read as 10 bit/s and every method was ranked on a
+    '1e-05 Mbit/s' link, exit 0. Now one line asks for a unit (``10bit`` still means bit/s)."""
+    from hgsgc.cli import main
+
+    rc = main(["plan", CFG, "model.name=tiny", "--nodes", "4", "--bandwidth", "10", "--compute-ms", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["hgsgc plan: --bandwidth 10 has no unit: write e.g. 10gbit or 10mbit (10bit "
+                               "if you mean bit/s)"], err
