@@ -731,6 +731,17 @@ def set_aside(directory: str, comm=None, log: Optional[Callable] = None) -> Opti
     return value if kind == "ok" else None
 
 
+def _file_in_the_way(directory: str) -> Optional[str]:
+    """The nearest existing ancestor of ``directory`` (itself included) if it is not a folder."""
+    path = os.path.abspath(directory)
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return path if path and not os.path.isdir(path) else None
+
+
 def check_folder(directory: str, comm=None):
     """Collective, before training: every rank can write into ``directory`` and sees the same
     folder as rank 0 (one shared file system). A checkpoint folder that is a file, unwritable, or
@@ -760,8 +771,14 @@ def check_folder(directory: str, comm=None):
             with open(os.path.join(directory, f".probe-{token}-rank-00000"), "wb"):
                 pass
         except OSError as exc:
-            err = (f"cannot write into checkpoint.dir {directory} ({exc.strerror or exc}, errno "
-                   f"{exc.errno}). {fix}")
+            blocker = _file_in_the_way(directory)
+            if blocker:  # e.g. run.out_dir given a config file: name what the user set
+                err = (f"cannot create checkpoint.dir {directory}: {blocker} is a file, not a folder "
+                       f"(checkpoint.dir defaults to <run.out_dir>/<run.id>/checkpoints: check run.out_dir "
+                       f"and checkpoint.dir)")
+            else:
+                err = (f"cannot write into checkpoint.dir {directory} ({exc.strerror or exc}, errno "
+                       f"{exc.errno}). {fix}")
     token = comm.bcast(token, root=0)
     _agree(comm, err, "checking the checkpoint folder")
     mine = os.path.join(directory, f".probe-{token}-{rank_file(rank)[:-4]}")

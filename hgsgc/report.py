@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import List, Optional
 
 
@@ -30,7 +31,10 @@ def _load(run_dir: str):
         if not _is_num(summary[k]):
             raise ValueError(f"{sp}: {k!r} is {summary[k]!r}, not a number")
     metrics = []
-    if os.path.exists(mp):
+    if not os.path.exists(mp):  # the table still comes from summary.json; say what is missing
+        print(f"hgsgc: report: warning: {mp} not found: {run_dir}'s per-epoch rows and curves are left out",
+              file=sys.stderr)
+    else:
         with open(mp) as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():

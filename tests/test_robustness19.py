@@ -240,3 +240,37 @@ def test_plan_bandwidth_without_a_unit_is_refused(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["hgsgc plan: --bandwidth 10 has no unit: write e.g. 10gbit or 10mbit (10bit "
                                "if you mean bit/s)"], err
+
+
+def test_checkpoint_folder_check_names_the_unwritable_case_apart(tmp_path):
+    """An unwritable folder (not a file in the way) keeps the errno message and the fix."""
+    from hgsgc import checkpoint as ckpt
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    os.chmod(d, 0o500)
+    try:
+        if os.access(d, os.W_OK):  # root ignores the mode bits: a file in the way instead
+            (tmp_path / "f").write_text("x")
+            with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path}/f is a file, not a folder"):
+                ckpt.check_folder(str(tmp_path / "f" / "a" / "b"))
+        else:
+            with pytest.raises(ckpt.CheckpointError, match="cannot write into checkpoint.dir .*Fix: point"):
+                ckpt.check_folder(str(d / "ck"))
+    finally:
+        os.chmod(d, 0o700)
+
+
+def test_report_of_a_run_without_metrics_warns_once(tmp_path, capsys):
+    """Before: ``hgsgc report`` on a run folder without ``metrics.jsonl`` printed an empty
+    per-epoch table, exit 0, without a word. The table still comes from summary.json; one
+    warning line names the missing file."""
+    from hgsgc.cli import main
+    from test_robustness import _fake_run
+
+    _fake_run(tmp_path / "img", None, [{"test_loss": 0.5, "test_accuracy": 0.875}])
+    os.remove(tmp_path / "img" / "metrics.jsonl")
+    assert main(["report", str(tmp_path / "img"), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hgsgc: report: warning: {tmp_path / 'img' / 'metrics.jsonl'} not found: {tmp_path / 'img'}'s "
+                   f"per-epoch rows and curves are left out"], err
