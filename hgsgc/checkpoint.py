@@ -651,8 +651,8 @@ def resolve(directory: str, resume: str, run: dict, comm=None,
                         f"restore the file, or delete the folder {where} to resume an older one (none "
                         f"here), or start afresh under a new run.id (or checkpoint.resume=never, which "
                         f"moves these checkpoints aside)")
-                for where, why in damaged if path is not None else ():
-                    if log is not None:
+                if path is not None and log is not None:
+                    for where, why in damaged:
                         log(f"hgsgc: checkpoint {where} is damaged ({why}): resuming from an older one")
                 if path is None:
                     answer = ("none", None, None)
@@ -708,11 +708,11 @@ def set_aside(directory: str, comm=None, log: Optional[Callable] = None) -> Opti
     if comm.Get_rank() == 0:
         found = list_checkpoints(directory)
         if found:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            target, k = f"{directory.rstrip(os.sep)}.set-aside-{stamp}", 1
-            while os.path.exists(target if k == 1 else f"{target}-{k}"):
+            base = f"{directory.rstrip(os.sep)}.set-aside-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+            target, k = base, 1
+            while os.path.exists(target):
                 k += 1
-            target = target if k == 1 else f"{target}-{k}"
+                target = f"{base}-{k}"
             try:
                 os.rename(directory, target)
                 answer = ("ok", target)

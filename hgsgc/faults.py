@@ -47,15 +47,15 @@ class Preempted(SystemExit):
 _EARLY = {"signum": 0, "old": {}}
 
 
-def announce_signal(signum: int, rank: Optional[int] = None):
-    """Write ``hgsgc: rank R: SIGNAME received; ...`` to stderr at once (``os.write``: safe inside a
+def announce_signal(signum: int, rank: Optional[int] = None,
+                    then: str = "; every rank checkpoints after the step the ranks agree on, then exits 75"):
+    """Write ``hgsgc: rank R: SIGNAME received<then>`` to stderr at once (``os.write``: safe inside a
     signal handler, unbuffered, so a Slurm job log shows when each rank got the signal, before the
     agreed checkpoint's line). ``rank`` defaults to the launcher's (:func:`world_rank`)."""
     try:
         name = signal.Signals(signum).name
         r = world_rank() if rank is None else rank
-        os.write(2, f"hgsgc: rank {r}: {name} received; every rank checkpoints after the step the "
-                    f"ranks agree on, then exits 75\n".encode())
+        os.write(2, f"hgsgc: rank {r}: {name} received{then}\n".encode())
     except Exception:  # a closed stderr must not turn a preemption into a crash
         pass
 
@@ -101,11 +101,7 @@ def release_early_signals(late: bool = False):
 
 def _late_handler(signum, frame):
     """SIGTERM / SIGUSR1 after the run ended: one line on stderr, nothing else to do."""
-    try:
-        os.write(2, f"hgsgc: rank {world_rank()}: {signal.Signals(signum).name} received after the run "
-                    f"ended (its results are written): ignored\n".encode())
-    except Exception:
-        pass
+    announce_signal(signum, then=" after the run ended (its results are written): ignored")
 
 
 class StepAgreement:
