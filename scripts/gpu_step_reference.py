@@ -276,6 +276,25 @@ def time_compression(numel, density, dev, steps, repeats):
     return rec
 
 
+SWEEP_NUMEL = (10_000, 100_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000)
+
+
+def sweep(a, dev):
+    """SGC's compression compute on the GPU against the gradient's size (for a GPU performance model)."""
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "protocol": {"steps": a.steps, "repeats": a.repeats}, "sweep": []}
+    for numel in SWEEP_NUMEL:
+        for density in (0.01, 0.001):
+            try:
+                rec = time_compression(numel, density, dev, a.steps, a.repeats)
+            except Exception as e:  # noqa: BLE001
+                rec = {"numel": numel, "density": density, "error": f"{type(e).__name__}: {e}"}
+            res["sweep"].append(rec)
+            print("sweep", rec, flush=True)
+            json.dump(res, open(a.out, "w"), indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -283,6 +302,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--models", nargs="+", default=list(EXPECTED_PARAMS))
+    p.add_argument("--sweep", action="store_true",
+                   help="only the compression compute against gradient size (numel 1e4 .. 6.4e7)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_step_reference: no CUDA device visible to PyTorch; run it on a GPU machine")
@@ -290,6 +311,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
+    if a.sweep:
+        return sweep(a, dev)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
