@@ -32,8 +32,14 @@ then the selected entries zeroed) and 2-bit value packing (sign and one scale, f
 byte), so the bench's assumption that compression speeds up on a GPU as much as the dense step can
 be checked.
 
-Output: one JSON file (``--out``) with the device, versions, per-model step times and the
-compression times; a one-line summary per model on stdout.
+It times the two Hourglass stages apart for the two AlexNet-shaped models (``split``: CONV trunk
+and FC head, split at the Flatten layer as hgsgc splits them). ``--sweep`` times only the
+compression compute against the gradient's size (10 k to 64 M values), for a GPU-side compression
+cost per size (its CPU counterpart: ``scripts/compression_cost_sweep.py``).
+
+Output: one JSON file (``--out``) with the device, versions, per-model step times, the stage times
+and the compression times; one line per measurement on stdout. Exit status 1 (a message) when
+PyTorch sees no CUDA device; a model or size that fails is recorded with its error, the rest run.
 """
 from __future__ import annotations
 
