@@ -1,12 +1,17 @@
 # hgsgc: two commands on a fresh machine (as root):
-#   make demo   install everything, then train the main job (Hourglass + SGC, 4 ranks, Fashion-MNIST)
+#   make demo   install everything, then train the main job (SGC, 4 ranks, Fashion-MNIST; layout auto:
+#               data parallel or Hourglass, whichever the start-up measurement predicts faster)
 #   make test   install everything, then run the test suite (single process and under mpirun)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NP ?= 4
 DEMO_ARGS ?=
-# boundary codecs + GPipe for the Hourglass main job: the best measured (docs/hourglass.md, "Measured")
+# the main job's layout: auto measures compute, boundary bytes and the link at start-up and runs the
+# faster of data-parallel SGC and Hourglass + SGC (docs/hourglass.md, "`make demo`": data parallel
+# was faster in every measured main-job cell, auto chose it in each). layout=hourglass forces it.
+DEMO_LAYOUT ?= layout=auto run.name=fashion_mnist_auto_sgc
+# the Hourglass candidate's boundary codecs + GPipe: the best measured (docs/hourglass.md, "Measured")
 DEMO_HOURGLASS ?= hourglass.act_codec=sparse+q4 hourglass.grad_codec=sparse+q4 hourglass.micro_batches=2
 MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -18,7 +23,7 @@ install:
 	bash scripts/install.sh
 
 demo: install
-	$(MPIRUN) -np $(NP) -x TF_CPP_MIN_LOG_LEVEL $(VENV)/bin/hgsgc train configs/fashion_mnist.yaml $(DEMO_HOURGLASS) $(DEMO_ARGS)
+	$(MPIRUN) -np $(NP) -x TF_CPP_MIN_LOG_LEVEL $(VENV)/bin/hgsgc train configs/fashion_mnist.yaml $(DEMO_LAYOUT) $(DEMO_HOURGLASS) $(DEMO_ARGS)
 
 test: install
 	bash scripts/run_tests.sh
