@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hgsgc.compression import DEFAULT_DENSITY, DEFAULT_SELECTOR  # written into a sparse method's config when left out
 from hgsgc.compression import base as _methods
 from hgsgc.models import BOUNDARY, MODELS, TASK_OF, WHY_NO_BOUNDARY
 from hgsgc.tasks import FORMATS, TASK_OF_FORMAT
@@ -86,11 +87,11 @@ class TrainConfig:
 @dataclass
 class CompressionConfig:
     method: str = "sgc"  # none | fp16 | topk | sgc | localsgd | dgc | terngrad | powersgd
-    density: float = 0.005
+    density: Optional[float] = None  # topk/sgc/dgc (and the Hourglass FC topk/sgc): k = ceil(density numel); default DEFAULT_DENSITY
     bits: Optional[int] = None  # 2 or 32; default: 2 for sgc, 32 (fp32 values) for topk and dgc
     delay: int = 1
     hierarchy: str = "allgather"
-    selector: str = "sampled"  # exact | sampled (same selection, sampled is faster)
+    selector: Optional[str] = None  # topk/sgc/dgc: exact | sampled (same selection, sampled is faster); default sampled
     error_feedback: bool = True
     momentum_correction: bool = False  # DGC momentum correction + masking (delay 1 only)
     momentum_masking: bool = True  # with momentum_correction: DGC's momentum factor masking (false: keep the velocity)
@@ -241,7 +242,25 @@ def validate(cfg: Config) -> None:
     if c.method not in METHODS:
         bad("compression.method", c.method, f"use one of {', '.join(METHODS)}")
     sparse = c.method in SPARSE_METHODS
-    if sparse and not 0.0 < c.density <= 1.0:
+    fc_sparse = _fc_sparse(cfg)
+    unused = []
+    for key, default in (("density", DEFAULT_DENSITY), ("selector", DEFAULT_SELECTOR)):
+        if getattr(c, key) is None:
+            if sparse or fc_sparse:  # the default, written out (the run's config.json)
+                setattr(c, key, default)
+        elif not sparse and not fc_sparse:
+            unused.append(key)
+    if unused:  # one message for both (a config.json of a dense run before session 21 has both)
+        fc_note = (f"; hourglass.fc_method={cfg.hourglass.fc_method} uses them only with layout hourglass or auto "
+                   f"(layout is {cfg.layout})" if cfg.hourglass.fc_method in SPARSE_METHODS else "")
+        raise ConfigError(
+            f"{', '.join(f'compression.{k}={getattr(c, k)!r}' for k in unused)} "
+            f"{'is' if len(unused) == 1 else 'are'} invalid: "
+            f"{'it applies' if len(unused) == 1 else 'they apply'} to methods {', '.join(SPARSE_METHODS)} "
+            f"(and a sparse hourglass.fc_method); method is {c.method}{fc_note}: remove "
+            f"{'it' if len(unused) == 1 else 'them'} (on the command line: "
+            f"{' '.join(f'compression.{k}=null' for k in unused)})")
+    if c.density is not None and not (isinstance(c.density, (int, float)) and 0.0 < c.density <= 1.0):
         bad("compression.density", c.density, "must be in (0, 1], e.g. 0.005")
     if c.bits is not None and c.bits not in (2, 32):
         bad("compression.bits", c.bits, "use 2 (2-bit values) or 32 (fp32 values)")
@@ -256,7 +275,6 @@ def validate(cfg: Config) -> None:
 
     if c.hierarchy not in HIERARCHIES:
         bad("compression.hierarchy", c.hierarchy, f"use one of {', '.join(HIERARCHIES)}")
-    fc_sparse = _fc_sparse(cfg)
     if c.hierarchy != "allgather" and not sparse and not fc_sparse:
         bad("compression.hierarchy", c.hierarchy, f"method {c.method} does not exchange top-k "
                                                   "payloads: hierarchies apply to topk, sgc and dgc")
@@ -280,7 +298,7 @@ def validate(cfg: Config) -> None:
     if not math.isfinite(c.terngrad_clip_sigma) or c.terngrad_clip_sigma < 0:
         bad("compression.terngrad_clip_sigma", c.terngrad_clip_sigma,
             "must be >= 0 (0 = no clipping; the paper uses 2.5)")
-    if c.selector not in ("exact", "sampled"):
+    if c.selector is not None and c.selector not in ("exact", "sampled"):
         bad("compression.selector", c.selector, "use exact or sampled")
     if not 0 <= cfg.run.seed < 2 ** 32:
         bad("run.seed", cfg.run.seed, "must be an integer in 0..4294967295 (2**32 - 1), e.g. 42")

@@ -131,11 +131,14 @@ def density_schedule(c):
     if not getattr(c, "warmup_steps", 0):
         return None
     stage_len = max(1, c.warmup_steps // 4)
+    from hgsgc.compression import DEFAULT_DENSITY
+
+    target = float(DEFAULT_DENSITY if c.density is None else c.density)  # None: a config not validated
 
     def density(step: int) -> float:
         if step >= c.warmup_steps:
-            return float(c.density)
-        return max(float(c.density), 0.25 ** (step // stage_len + 1))
+            return target
+        return max(target, 0.25 ** (step // stage_len + 1))
 
     return density
 

@@ -47,10 +47,10 @@ def plan_candidates(cfg) -> List[Tuple[str, object]]:
     and fp16, top-k, SGC (delay 1 and 4; allgather and tree), TernGrad, PowerSGD (rank 4) and
     local SGD (4), with the config's density where it has one and the config's
     ``compression.index_coding`` (default elias_fano) for every sparse candidate."""
-    from hgsgc.compression import Compression
+    from hgsgc.compression import DEFAULT_DENSITY, Compression
     from hgsgc.config import compression_from_config, resolved_index_coding
 
-    dens = getattr(cfg.compression, "density", 0.005) or 0.005
+    dens = cfg.compression.density or DEFAULT_DENSITY  # None: a method without density (its default)
     own = compression_from_config(cfg.compression)
     ic = resolved_index_coding(cfg.compression)
     return [("config", own), ("fp32_allreduce", Compression.none), ("fp16_allreduce", Compression.fp16),

@@ -12,7 +12,9 @@ own ``hgsgc/_ops*.so``: build it there first).
 Methods (overrides on each config): ``fp16`` (Horovod fp16 allreduce; momentum in the
 optimizer), ``topk`` (fp32 values, error feedback, momentum in the optimizer), ``sgc`` (the
 config's own SGC setting with ``compression.delay=1``; DGC momentum correction where the config
-has it).
+has it). ``fp16`` drops the SGC config's density and selector with ``=null``, which a checkout
+older than session 21 (2026-12-04) refuses, as the newer one refuses them with fp16: against such
+an ``--old`` checkout pass ``--methods topk sgc``.
 
 Usage:
     python scripts/profile_compression.py --old /tmp/old --new . \\
@@ -29,7 +31,10 @@ import time
 import uuid
 
 METHODS = {
-    "fp16": ["compression.method=fp16", "compression.momentum_correction=false", "compression.delay=1"],
+    # density / selector: the sgc configs' own, refused with fp16 since session 21 (a checkout older
+    # than that has no null density: compare those with topk and sgc only)
+    "fp16": ["compression.method=fp16", "compression.momentum_correction=false", "compression.delay=1",
+             "compression.density=null", "compression.selector=null"],
     "topk": ["compression.method=topk", "compression.momentum_correction=false", "compression.delay=1"],
     "sgc": ["compression.delay=1"],
 }

@@ -169,6 +169,13 @@ def test_config_builds_each_baseline():
     ("hourglass.micro_batches=4", "hourglass.micro_batches"),
     ("hourglass.wire_dtype=float16", "hourglass.wire_dtype"),
     ("compression.method=powersgd compression.dense_vectors=true", "compression.dense_vectors"),
+    # density / selector of the sparse methods: before session 21 silently ignored by the others
+    ("compression.method=powersgd compression.density=0.01", "compression.density"),
+    ("compression.method=none compression.density=0.005", "compression.density"),
+    ("compression.method=terngrad compression.selector=exact", "compression.selector"),
+    ("compression.method=topk compression.density=0", "compression.density"),
+    ("compression.method=topk compression.density=1.5", "compression.density"),
+    ("compression.method=sgc compression.selector=fastest", "compression.selector"),
 ])
 def test_bad_baseline_config_names_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -229,3 +236,41 @@ def test_dense_vectors_average_biases_densely_with_momentum_after_the_average(re
         assert r["dense_vectors_costs"] is True
         for key, val in r["dense_vectors_formula"].items():
             assert r["dense_vectors_bytes"][key] == val, (key, r["dense_vectors_bytes"], val)
+
+
+def test_density_and_selector_are_written_out_for_sparse_methods_only():
+    """A sparse method gets the defaults in its config (and so in the run's config.json); the other
+    methods get none, and a config file's density under a non-sparse method can be dropped with
+    ``=null`` on the command line (the fix the error names)."""
+    from hgsgc.compression import DEFAULT_DENSITY, DEFAULT_SELECTOR
+
+    for method in ("topk", "sgc", "dgc"):
+        c = load_config(CFG, [f"compression.method={method}"]).compression
+        assert (c.density, c.selector) == (DEFAULT_DENSITY, DEFAULT_SELECTOR) == (0.005, "sampled")
+        assert compression_from_config(c).density == 0.005
+    for method in ("none", "fp16", "powersgd", "terngrad", "localsgd"):
+        c = load_config(CFG, [f"compression.method={method}"]).compression
+        assert (c.density, c.selector) == (None, None), method
+    # Hourglass FC ranks with a sparse fc_method use them although the CONV method is dense
+    c = load_config(CFG, ["layout=hourglass", "hourglass.fc_method=topk", "compression.density=0.02"]).compression
+    assert (c.method, c.density, c.selector) == ("none", 0.02, "sampled")
+    sgc_file = "configs/fashion_mnist_sgc.yaml"
+    with pytest.raises(ConfigError, match=r"compression\.density=null"):
+        load_config(sgc_file, ["compression.method=powersgd"])
+    c = load_config(sgc_file, ["compression.method=powersgd", "compression.density=null",
+                               "compression.bits=null", "compression.delay=1", "compression.selector=null"]).compression
+    assert (c.method, c.density, c.selector) == ("powersgd", None, None)
+    # a dense run's config.json written before session 21 holds both: one error names both and the fix
+    with pytest.raises(ConfigError, match=r"compression\.density=0\.005, compression\.selector='sampled' are "
+                                          r"invalid.*method is fp16.*compression\.density=null compression\.selector=null"):
+        load_config(CFG, ["compression.method=fp16", "compression.density=0.005", "compression.selector=sampled"])
+    # a sparse hourglass.fc_method under data parallelism: the message names the layout
+    with pytest.raises(ConfigError, match=r"fc_method=topk uses them only with layout hourglass or auto \(layout "
+                                          r"is data_parallel\)"):
+        load_config(CFG, ["hourglass.fc_method=topk", "compression.density=0.01"])
+    # DGC's warm-up schedule of a config not validated (density None) ends at the default density
+    from hgsgc.config import CompressionConfig
+    from hgsgc.loop import density_schedule
+
+    sched = density_schedule(CompressionConfig(method="dgc", warmup_steps=8))
+    assert [sched(s) for s in (0, 2, 4, 6, 8, 100)] == [0.25, 0.0625, 0.015625, 0.005, 0.005, 0.005]

@@ -55,7 +55,8 @@ def test_config_key_compression_buckets():
     assert compression_from_config(load_config(SGC, []).compression).buckets == 1
     for over, msg in ((["compression.buckets=0"], "must be an integer >= 1"),
                       (["compression.buckets=2", "compression.hierarchy=tree"], "hierarchy=allgather"),
-                      (["compression.buckets=2", "compression.method=powersgd", "compression.delay=1"],
+                      (["compression.buckets=2", "compression.method=powersgd", "compression.delay=1",
+                        "compression.density=null"],
                        "method topk, sgc or dgc")):
         with pytest.raises(ConfigError, match=f"compression.buckets=.*{msg}"):
             load_config(SGC, over)

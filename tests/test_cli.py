@@ -31,7 +31,8 @@ def test_configs_load():
     ("bogus=1", "unknown config key 'bogus'"),
     ("train.epochs=abc", "train.epochs"),
     ("compression.method=magic", "compression.method"),
-    ("compression.method=fp16 compression.delay=1 compression.hierarchy=tree", "compression.hierarchy"),
+    ("compression.method=fp16 compression.delay=1 compression.density=null compression.hierarchy=tree",
+     "compression.hierarchy"),
     ("compression.momentum_masking=false", "compression.momentum_masking"),
 ])
 def test_bad_config_values_name_the_key(override, needle):

@@ -125,7 +125,7 @@ def test_startup_clock_and_record():
     ["hourglass.act_codec=sparse+q8", "hourglass.grad_codec=sparse+q4", "hourglass.micro_batches=2",
      "compression.method=sgc", "compression.density=0.01"],
     ["hourglass.wire_dtype=float16", "hourglass.fc_method=sgc", "hourglass.fc_delay=2", "compression.method=none",
-     "compression.bits=2", "compression.index_coding=fixed"],
+     "compression.bits=2", "compression.index_coding=fixed", "compression.density=0.02", "compression.selector=exact"],
     ["hourglass.fc_method=topk", "compression.method=fp16", "hourglass.split_layer=fc1",
      "hourglass.link_bandwidth_mbps=100"],
     []])
@@ -137,8 +137,9 @@ def test_chosen_config_is_the_explicit_configuration(given):
 
     cfg = load_config(None, given + ["layout=auto"])
     dp_given = [g for g in given if g.split("=")[0].split(".")[-1] not in HOURGLASS_ONLY_KEYS]
-    if "compression.method=none" in given or "compression.method=fp16" in given:  # bits / coding: FC ranks' only
-        dp_given = [g for g in dp_given if not g.startswith(("compression.bits", "compression.index_coding"))]
+    if "compression.method=none" in given or "compression.method=fp16" in given:  # FC ranks' only
+        dp_given = [g for g in dp_given if not g.startswith(("compression.bits", "compression.index_coding",
+                                                            "compression.density", "compression.selector"))]
     assert auto.chosen_config(cfg, {"layout": "data_parallel", "fc_workers": None}) == \
         load_config(None, dp_given + ["layout=data_parallel"])
     for F in (1, 2):

@@ -235,6 +235,7 @@ def test_setting_config_and_payload_bytes():
         load_config("configs/fashion_mnist_sgc.yaml", ["compression.index_coding=delta"])
     with pytest.raises(ConfigError, match="compression.index_coding.*needs method topk, sgc or dgc"):
         load_config("configs/fashion_mnist_sgc.yaml", ["compression.method=none", "compression.delay=1",
+                                                       "compression.density=null",
                                                        "compression.index_coding=elias_fano"])
 
 

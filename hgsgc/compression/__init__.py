@@ -27,6 +27,10 @@ SELECTORS = ("exact", "sampled")
 #: ``"elias_fano"``, lossless and about half the index bytes of ``"fixed"`` (the default until
 #: session 10). Values and layouts: :mod:`hgsgc.compression.wire` (re-exported there).
 DEFAULT_INDEX_CODING = "elias_fano"
+#: density and selector of a config-built sparse method whose config leaves them out
+#: (``hgsgc.config``: ``compression.density``, ``compression.selector``)
+DEFAULT_DENSITY = 0.005
+DEFAULT_SELECTOR = "sampled"
 
 
 @dataclass(frozen=True)
@@ -519,8 +523,8 @@ def _bits(c, method):
 def _sparse_from_config(method):
     def build(c, *, delay=None, hierarchy=None):
         return SparseCompression(
-            density=c.density, bits=_bits(c, method), delay=c.delay if delay is None else delay,
-            hierarchy=c.hierarchy if hierarchy is None else hierarchy, selector=c.selector,
+            density=DEFAULT_DENSITY if c.density is None else c.density, bits=_bits(c, method), delay=c.delay if delay is None else delay,
+            hierarchy=c.hierarchy if hierarchy is None else hierarchy, selector=c.selector or DEFAULT_SELECTOR,
             error_feedback=c.error_feedback, method=method,
             momentum_correction=c.momentum_correction or method == "dgc",
             local_clip_norm=c.local_clip_norm or None, dense_vectors=bool(c.dense_vectors),

@@ -772,8 +772,8 @@ def chosen_config(cfg, report: dict):
     checkpoint's ``{"layout", "fc_workers"}``), i.e. the configuration of the explicit job.
 
     For data parallelism the Hourglass-only settings (``hgsgc.config.HOURGLASS_ONLY_KEYS``: codecs,
-    micro-batches, wire dtype, FC delay) go back to their defaults, and ``compression.bits`` and
-    ``compression.index_coding`` to None where only a sparse ``hourglass.fc_method`` used them
+    micro-batches, wire dtype, FC delay) go back to their defaults, and ``compression.bits``,
+    ``compression.index_coding``, ``density`` and ``selector`` to None where only a sparse ``hourglass.fc_method`` used them
     (the CONV method is not sparse): ``layout: data_parallel`` refuses them, so a run that kept them wrote a ``config.json`` that ``hgsgc train`` refused
     (``hourglass.micro_batches=2 is invalid``) and that was not the explicit data-parallel job's.
     The data-parallel runner never reads them, so training is unchanged.
@@ -797,7 +797,7 @@ def chosen_config(cfg, report: dict):
         dh = config_mod.HourglassConfig()
         c = cfg.compression
         if c.method not in config_mod.SPARSE_METHODS:  # they were there for the FC ranks' sparse method only
-            c = dataclasses.replace(c, bits=None, index_coding=None)
+            c = dataclasses.replace(c, bits=None, index_coding=None, density=None, selector=None)
         chosen = dataclasses.replace(cfg, layout="data_parallel", compression=c, hourglass=dataclasses.replace(
             h, **{k: getattr(dh, k) for k in config_mod.HOURGLASS_ONLY_KEYS}))
     config_mod.validate(chosen)
