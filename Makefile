@@ -7,12 +7,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NP ?= 4
 DEMO_ARGS ?=
-# the main job's layout: auto measures compute, boundary bytes and the link at start-up and runs the
-# faster of data-parallel SGC and Hourglass + SGC (docs/hourglass.md, "`make demo`": data parallel
-# was faster in every measured main-job cell, auto chose it in each). layout=hourglass forces it.
-DEMO_LAYOUT ?= layout=auto run.name=fashion_mnist_auto_sgc
-# the Hourglass candidate's boundary codecs + GPipe: the best measured (docs/hourglass.md, "Measured")
-DEMO_HOURGLASS ?= hourglass.act_codec=sparse+q4 hourglass.grad_codec=sparse+q4 hourglass.micro_batches=2
+# the main job: configs/fashion_mnist_auto.yaml, layout auto (it measures compute, boundary bytes and
+# the link at start-up and runs the faster of data-parallel SGC and Hourglass + SGC; docs/hourglass.md,
+# "`make demo`": data parallel was faster in every measured main-job cell, auto chose it in each).
+# make demo DEMO_ARGS='layout=hourglass hourglass.fc_workers=1' runs the demo before session 21.
+DEMO_CONFIG ?= configs/fashion_mnist_auto.yaml
 MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -23,7 +22,7 @@ install:
 	bash scripts/install.sh
 
 demo: install
-	$(MPIRUN) -np $(NP) -x TF_CPP_MIN_LOG_LEVEL $(VENV)/bin/hgsgc train configs/fashion_mnist.yaml $(DEMO_LAYOUT) $(DEMO_HOURGLASS) $(DEMO_ARGS)
+	$(MPIRUN) -np $(NP) -x TF_CPP_MIN_LOG_LEVEL $(VENV)/bin/hgsgc train $(DEMO_CONFIG) $(DEMO_ARGS)
 
 test: install
 	bash scripts/run_tests.sh

@@ -200,6 +200,28 @@ def test_wire_dtype_validated():
             load_config("configs/fashion_mnist.yaml", [f"hourglass.micro_batches={bad}"])
 
 
+def test_main_job_config_is_the_hourglass_config_with_layout_auto():
+    """``make demo`` (and the Slurm template's default) run configs/fashion_mnist_auto.yaml, which
+    must stay configs/fashion_mnist.yaml with layout auto and the measured best codecs (session 21:
+    the Hourglass forced was the slower layout for this model in every measured cell)."""
+    import re
+    import subprocess
+
+    from hgsgc.config import load_config
+
+    main = load_config(os.path.join(ROOT, "configs/fashion_mnist_auto.yaml"))
+    assert main == load_config(os.path.join(ROOT, "configs/fashion_mnist.yaml"), [
+        "layout=auto", "hourglass.fc_workers=auto", "run.name=fashion_mnist_auto_sgc",
+        "hourglass.act_codec=sparse+q4", "hourglass.grad_codec=sparse+q4", "hourglass.micro_batches=2"])
+    assert (main.layout, main.compression.method, main.compression.delay) == ("auto", "sgc", 4)
+    demo = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 0, demo.stderr
+    line = demo.stdout.strip().splitlines()[-1]
+    assert re.search(r"-np 4 .*hgsgc train configs/fashion_mnist_auto\.yaml\s*$", line), line
+    with open(os.path.join(ROOT, "scripts/slurm/train.sbatch")) as f:
+        assert "CONFIG=${1:-configs/fashion_mnist_auto.yaml}" in f.read()
+
+
 def test_hourglass_configs():
     import yaml
 
@@ -208,7 +230,7 @@ def test_hourglass_configs():
     dense = load_config(os.path.join(ROOT, "configs/fashion_mnist_hourglass.yaml"))
     assert dense.layout == "hourglass" and dense.compression.method == "none"
     assert dense.hourglass.fc_method == "none"
-    sgc = load_config(os.path.join(ROOT, "configs/fashion_mnist.yaml"))  # the main job
+    sgc = load_config(os.path.join(ROOT, "configs/fashion_mnist.yaml"))  # the main job's Hourglass
     assert sgc.layout == "hourglass" and sgc.hourglass.fc_method == "none"
     with open(os.path.join(ROOT, "configs/fashion_mnist.yaml")) as f:
         mine = yaml.safe_load(f)["compression"]

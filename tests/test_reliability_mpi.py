@@ -100,7 +100,7 @@ def test_resume_mid_run_is_bit_exact(np_, method, tmp_path_factory):
 
 
 HG_CODECS = {  # (ranks, extra settings): 2 ranks = 1 CONV + 1 FC, 3 ranks = 2 CONV + 1 FC
-    # the demo's codecs (Makefile DEMO_HOURGLASS): stochastic rounding both ways, pipelined
+    # the demo's Hourglass codecs (configs/fashion_mnist_auto.yaml): stochastic rounding both ways, pipelined
     "sparse+q4": (3, ["hourglass.act_codec=sparse+q4", "hourglass.grad_codec=sparse+q4",
                       "hourglass.micro_batches=2"]),
     "q8": (2, ["hourglass.act_codec=q8", "hourglass.grad_codec=q8"]),
