@@ -37,8 +37,9 @@ def test_sbatch_templates_run_two_rank_jobs(tmp_path):
                PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with local_slurm(tmp_path / "slurm") as senv:
         env.update(SLURM_CONF=senv["SLURM_CONF"])
+        # the main job's config (the template's default; layout auto measures under srun --mpi=pmix)
         a = _sbatch(env, "scripts/slurm/train.sbatch",
-                    ["configs/fashion_mnist_dense.yaml", "model.name=tiny", "data.train_limit=640",
+                    ["configs/fashion_mnist_auto.yaml", "model.name=tiny", "data.train_limit=640",
                      "data.test_limit=200", "train.epochs=1", f"run.out_dir={runs}", "run.id=srun",
                      "train.progress=false"], tmp_path / "srun.out")
         b = _sbatch(env, "scripts/slurm/ptb.sbatch",
@@ -53,7 +54,9 @@ def test_sbatch_templates_run_two_rank_jobs(tmp_path):
         s = json.loads((runs / name / "summary.json").read_text())
         assert s["world_size"] == 2 and s["epochs"] == 1, s
     s = json.loads((runs / "srun" / "summary.json").read_text())
-    assert s["steps"] == 640 // (2 * 32) and s["model"] == "tiny" and 0.1 < s["final_test_accuracy"] <= 1.0
+    assert s["layout_setting"] == "auto" and s["layout"] == s["layout_choice"]["layout"], s
+    trunk_ranks = 2 if s["layout"] == "data_parallel" else 1      # the Hourglass on 2 ranks: 1 CONV + 1 FC
+    assert s["steps"] == 640 // (trunk_ranks * 32) and s["model"] == "tiny" and 0.1 < s["final_test_accuracy"] <= 1.0
     p = json.loads((runs / "mpirun" / "summary.json").read_text())
     # 60 lines x 9 tokens (8 words + <eos>) = 540 tokens; 270 per rank; 4 rows of 67; (67 - 1) // 5 = 13 steps
     assert p["steps"] == 13 and p["task"] == "ptb" and p["final_test_perplexity"] > 1.0
