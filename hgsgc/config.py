@@ -106,7 +106,7 @@ class CompressionConfig:
 
 @dataclass
 class HourglassConfig:
-    fc_workers: Any = "auto"  # number of FC ranks, or "auto" (cost model, docs/hourglass.md)
+    fc_workers: Any = "auto"  # number of FC ranks, or "auto" (cost model, docs/hourglass.md); under layout auto an integer is the only Hourglass candidate
     split_layer: Optional[str] = None  # first FC-head layer; default: first Dense after the last conv
     fc_method: str = "none"  # compression among FC ranks: none | fp16 | topk | sgc
     # link of fc_workers=auto / layout=auto: null = ping-pong probe at start-up (default); a number

@@ -498,9 +498,10 @@ def with_role_compression(inp: LayoutInputs, fc_workers: int, conv_cost: dict, f
 
 
 def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=None,
-                  hourglass_only: bool = False) -> dict:
-    """Predict data parallelism and the Hourglass for ``F = 1 .. floor(n/2)``; pick the highest
-    throughput (ties: data parallelism, then fewer FC ranks).
+                  hourglass_only: bool = False, fc_workers: Optional[int] = None) -> dict:
+    """Predict data parallelism and the Hourglass for ``F = 1 .. floor(n/2)`` (only ``F =
+    fc_workers`` when given: ``layout: auto`` with an integer ``hourglass.fc_workers``); pick the
+    highest throughput (ties: data parallelism, then fewer FC ranks).
 
     ``inputs_at``: optional ``F -> LayoutInputs`` for the Hourglass candidates (e.g.
     :func:`with_role_compression`, whose compression seconds depend on ``F``); default ``inp``.
@@ -521,8 +522,8 @@ def choose_layout(inp: LayoutInputs, hourglass_possible: bool = True, inputs_at=
     """
     preds = [predict_data_parallel(inp)]
     if hourglass_possible and inp.world_size >= 2:
-        preds += [predict_hourglass(inputs_at(F) if inputs_at else inp, F)
-                  for F in range(1, inp.world_size // 2 + 1)]
+        fcs = range(1, inp.world_size // 2 + 1) if fc_workers is None else [int(fc_workers)]
+        preds += [predict_hourglass(inputs_at(F) if inputs_at else inp, F) for F in fcs]
     candidates = preds[1:] if hourglass_only else preds
     if not candidates:
         raise ValueError(f"no Hourglass layout for {inp.world_size} rank(s): it needs at least 2")

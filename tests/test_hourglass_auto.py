@@ -92,6 +92,20 @@ def test_choice_follows_the_model():
     assert "layout auto -> hourglass with 1 FC ranks" in text and "data parallel:" in text
 
 
+def test_an_integer_fc_workers_is_the_only_hourglass_candidate():
+    """layout: auto with hourglass.fc_workers=F weighs data parallelism against the Hourglass with
+    F FC ranks only (session 21; the integer was ignored before and F = 1 .. n/2 weighed)."""
+    slow = _inputs()                                    # F = 1 wins among 1, 2 (test above)
+    r = choose_layout(slow, fc_workers=2)
+    assert [p["fc_workers"] for p in r["predictions"]] == [None, 2]
+    assert r["predictions"][1] == predict_hourglass(slow, 2)
+    best = max(r["predictions"], key=lambda p: p["throughput"])
+    assert r["choice"] is best and r["fc_workers"] == best["fc_workers"]
+    assert choose_layout(slow, fc_workers=1)["predictions"] == choose_layout(slow)["predictions"][:2]
+    # hourglass.fc_workers: auto under layout: hourglass (hourglass_only) still weighs every F
+    assert [p["fc_workers"] for p in choose_layout(slow, hourglass_only=True)["predictions"]] == [None, 1, 2]
+
+
 def test_choice_margin_over_the_runner_up():
     """choose_layout's margin: the choice's predicted throughput over the next-fastest candidate's,
     minus 1, with that candidate's name; printed in the choice's log line."""

@@ -564,7 +564,7 @@ def choose(comm, split, x, cfg, log: Optional[Callable] = None, hourglass_only: 
             fc_buckets=perfmodel.allgather_buckets(fcc, fc_shapes))
         report = perfmodel.choose_layout(
             inputs, inputs_at=lambda F: perfmodel.with_role_compression(inputs, F, cost["conv"], cost["fc"]),
-            hourglass_only=hourglass_only)
+            hourglass_only=hourglass_only, fc_workers=None if h.fc_workers == "auto" else int(h.fc_workers))
         report["setting"] = "fc_workers=auto" if hourglass_only else "layout=auto"
         report["measured"] = {"density_of_nonzero_activations": meas["density"], "link_pairs": link["pairs"],
                               "boundary_message": msg,
@@ -812,6 +812,11 @@ def run(cfg, run_layout, log=print) -> dict:
     itself took, per phase and in all, :func:`startup_record`). A model without a conv/FC
     boundary runs data-parallel without measuring (the reason is logged and recorded).
 
+    ``hourglass.fc_workers``: ``auto`` weighs the Hourglass with ``F = 1 .. n/2`` FC ranks; an
+    integer ``F`` weighs data parallelism against the Hourglass with ``F`` only (before session
+    21 the integer was ignored; :class:`hgsgc.hourglass.layout.LayoutError` when ``F`` does not
+    fit ``n`` ranks, as under ``layout: hourglass``).
+
     Nothing of the measurement stays in the chosen run: it gets the configuration of the explicit
     ``layout:`` job (:func:`chosen_config`), re-seeds, starts its own Horovod, and trains exactly
     as that explicit run does
@@ -827,6 +832,12 @@ def run(cfg, run_layout, log=print) -> dict:
 
     t_start = time.perf_counter()
     world = MPI.COMM_WORLD
+    if cfg.hourglass.fc_workers != "auto" and world.Get_size() >= 2:
+        # an integer restricts the Hourglass candidate to that many FC ranks: refused for this
+        # rank count as layout: hourglass refuses it (sizes only: the same verdict on every rank)
+        from hgsgc.hourglass.layout import check_fc_workers
+
+        check_fc_workers(world.Get_size(), cfg.hourglass.fc_workers)
     setup_threads(cfg.train.threads)
     import tensorflow as tf
 
