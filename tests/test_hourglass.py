@@ -214,9 +214,12 @@ def test_main_job_config_is_the_hourglass_config_with_layout_auto():
         "layout=auto", "hourglass.fc_workers=auto", "run.name=fashion_mnist_auto_sgc",
         "hourglass.act_codec=sparse+q4", "hourglass.grad_codec=sparse+q4", "hourglass.micro_batches=2"])
     assert (main.layout, main.compression.method, main.compression.delay) == ("auto", "sgc", 4)
-    demo = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # under `make test` MAKELEVEL / MAKEFLAGS come along: make would print "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    demo = subprocess.run(["make", "--no-print-directory", "-n", "demo"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=env)
     assert demo.returncode == 0, demo.stderr
-    line = demo.stdout.strip().splitlines()[-1]
+    (line,) = [ln for ln in demo.stdout.splitlines() if "hgsgc train" in ln]
     assert re.search(r"-np 4 .*hgsgc train configs/fashion_mnist_auto\.yaml\s*$", line), line
     with open(os.path.join(ROOT, "scripts/slurm/train.sbatch")) as f:
         assert "CONFIG=${1:-configs/fashion_mnist_auto.yaml}" in f.read()
