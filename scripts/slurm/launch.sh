@@ -29,7 +29,7 @@ hgsgc_launch() {
         hgsgc train "$config" "${extra[@]}" "$@") ;;
     *) echo "hgsgc slurm: LAUNCH=$LAUNCH is invalid: use srun or mpirun" >&2; exit 2 ;;
   esac
-  # Preemption (docs/reliability.md): Slurm signals the batch shell (--signal=B:USR1@60, or
+  # Preemption (docs/reliability.md): Slurm signals the batch shell (--signal=B:USR1@120 in the templates, or
   # SIGTERM at the time limit); forward it to the ranks as SIGUSR1 (srun and mpirun both pass
   # SIGUSR1 on; mpirun would kill the job on SIGTERM). The ranks agree on a step, write a
   # checkpoint and exit 75; then the job is requeued and resumes (checkpoint.resume=auto).
